@@ -1,0 +1,29 @@
+# Two commands do all of the setup on a fresh machine:
+#   make run   - create .venv, install everything, train the main example
+#   make test  - create .venv, install everything, run the whole test suite
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.epl-installed
+EXAMPLE ?= examples/mnist_mlp.py
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt setup.py tools/build_horovod.sh
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip wheel setuptools
+	$(VPY) -m pip install -q -r requirements.txt
+	bash tools/build_horovod.sh $(VPY)
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: setup
+	$(VPY) $(EXAMPLE)
+
+test: setup
+	$(VPY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
