@@ -1,0 +1,81 @@
+"""Cluster: the devices this worker drives, and how many workers there are.
+
+A worker is one process (one Horovod rank). It drives its local devices in one
+TensorFlow graph: its GPUs where there are any, otherwise N virtual CPU devices
+created through the session config (`device_count={"CPU": N}`), N from
+`cluster.virtual_devices`. Workers beyond this one are filled in by the
+multi-worker runtime (rank and size come from Horovod when it is running).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The local devices of this worker and its place among the workers.
+
+    device_type: "GPU" or "CPU".
+    num_local_devices: devices this worker drives.
+    worker_rank / num_workers: this worker's index and the worker count.
+    """
+
+    device_type: str
+    num_local_devices: int
+    worker_rank: int = 0
+    num_workers: int = 1
+
+    @property
+    def local_devices(self) -> list[str]:
+        """Device strings of the local devices, in order."""
+        return [f"/device:{self.device_type}:{i}" for i in range(self.num_local_devices)]
+
+    @property
+    def host_device(self) -> str:
+        """Where input pipelines and host-side ops run."""
+        return "/device:CPU:0"
+
+    def session_config(self, base: tf.compat.v1.ConfigProto | None = None) -> tf.compat.v1.ConfigProto:
+        """Return a copy of `base` that creates this worker's devices.
+
+        On a CPU-only worker it asks for `num_local_devices` virtual CPU devices;
+        soft placement is left as the user set it.
+        """
+        config = tf.compat.v1.ConfigProto()
+        if base is not None:
+            config.CopyFrom(base)
+        if self.device_type == "CPU" and config.device_count.get("CPU", 1) < self.num_local_devices:
+            config.device_count["CPU"] = self.num_local_devices
+        return config
+
+
+def _gpu_count() -> int:
+    try:
+        return len(tf.config.list_physical_devices("GPU"))
+    except Exception:  # pragma: no cover - no GPU runtime at all
+        return 0
+
+
+def _horovod_rank_size() -> tuple[int, int]:
+    """Rank and size from the launcher's environment (horovodrun sets these)."""
+    rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    size = os.environ.get("HOROVOD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE"))
+    if rank is None or size is None:
+        return 0, 1
+    return int(rank), int(size)
+
+
+def local_cluster(config) -> Cluster:
+    """Build the Cluster of this worker from the EPL config.
+
+    GPUs if TensorFlow sees any (one process per GPU set is the launcher's job),
+    else `cluster.virtual_devices` virtual CPU devices.
+    """
+    rank, size = _horovod_rank_size()
+    gpus = _gpu_count()
+    if gpus:
+        return Cluster("GPU", gpus, rank, size)
+    return Cluster("CPU", int(config.get("cluster.virtual_devices")), rank, size)

@@ -1,0 +1,29 @@
+"""Exception types raised by EPL.
+
+Every error names what is wrong and how to fix it. They all derive from
+`EPLError`, so a script can catch EPL's errors apart from TensorFlow's.
+"""
+
+
+class EPLError(Exception):
+    """Base class of every error EPL raises on purpose."""
+
+
+class ConfigError(EPLError, ValueError):
+    """An unknown configuration key or a value of the wrong type or range."""
+
+
+class ScopeError(EPLError):
+    """A strategy scope used in a way EPL cannot honour (nesting, bad sizes)."""
+
+
+class ClusterError(EPLError):
+    """The requested layout does not fit the devices that are available."""
+
+
+class ParallelizeError(EPLError):
+    """The graph cannot be parallelized as annotated (raised before any rewrite)."""
+
+
+class PassError(EPLError):
+    """A graph pass failed; the message names the pass and the passes before it."""

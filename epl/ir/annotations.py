@@ -1,0 +1,51 @@
+"""Small immutable values that describe how a part of the model is parallelized.
+
+A `StrategySpec` is what a scope (`epl.replicate`, `epl.split`) says about the
+ops created inside it. The node attributes below carry that information on the
+graph itself: EPL never reads meaning from op names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+# Node attributes EPL sets on ops. Attribute names that start with "_" are
+# allowed on any op and are ignored by TensorFlow's kernels.
+TASKGRAPH_ATTR = "_epl_taskgraph"   # string: the TaskGraph the op belongs to
+PHASE_ATTR = "_epl_phase"           # string: a Phase value
+REPLICA_ATTR = "_epl_replica"       # int: replica index (absent = replica 0)
+MICRO_BATCH_ATTR = "_epl_micro_batch"  # int: micro-batch index (absent = 0)
+
+
+class Phase(str, enum.Enum):
+    """Which part of a training step an op belongs to."""
+
+    FORWARD = "forward"     # computes the loss from inputs and variables
+    BACKWARD = "backward"   # created by the optimizer's compute_gradients
+    APPLY = "apply"         # updates variables (apply_gradients) or processes gradients
+    OTHER = "other"         # input pipelines, initializers, savers, summaries
+
+
+class StrategyKind(str, enum.Enum):
+    """The two Whale annotations."""
+
+    REPLICATE = "replicate"
+    SPLIT = "split"
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySpec:
+    """What a strategy scope asks for.
+
+    kind: replicate or split.
+    device_count: devices one replica of this part spans.
+    name: the TaskGraph name (unique per graph).
+    """
+
+    kind: StrategyKind
+    device_count: int
+    name: str
+
+    def describe(self) -> str:
+        """Return the scope as a user would write it, for error messages."""
+        return f"epl.{self.kind.value}(device_count={self.device_count}, name={self.name!r})"

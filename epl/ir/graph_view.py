@@ -1,0 +1,296 @@
+"""Analysis of an annotated training graph: phases, TaskGraphs, what to replicate.
+
+`analyze(graph, state)` reads the graph (never op names) and returns a
+`TrainingView`: the TaskGraph and Phase of every op, the ops one training step
+runs, the batch inputs to slice, the variables to mirror and the ops that make
+up one replica of the model. Passes read the view; they do not recompute it.
+
+Rules, in the order they are applied:
+- The training step is every op the recorded train ops need (data and control
+  inputs, transitively).
+- Phase: ops created by compute_gradients are "backward", by apply_gradients
+  "apply" (both tagged at gradient time). Ops that process gradients between
+  the two (clipping, scaling) are "apply" too. Batch inputs and everything they
+  are computed from (the input pipeline) are "other". The remaining ancestors of
+  the losses, and every op computed from a batch input (metrics), are
+  "forward". Everything else (initializers, savers, summaries of weights) is
+  "other".
+- Batch inputs: outputs of tf.data iterators, placeholders of known rank >= 1,
+  and constants of rank >= 1 whose first dimension is the global batch size and
+  which feed an op as data (not as a shape, axis or index argument, as read
+  from the consumer's OpDef).
+- TaskGraph: the scope's attribute where set; a backward or apply op takes the
+  TaskGraph of the op it is colocated with (its forward op or its variable); an
+  untagged forward op takes the latest TaskGraph among its inputs; anything
+  else takes the first TaskGraph.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from epl.errors import ParallelizeError
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind, StrategySpec
+from epl.ir.taskgraph import GraphState, TaskGraph
+
+VARIABLE_OP_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
+ITERATOR_OUTPUT_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
+# TF1 control flow: ops inside while_loop/cond frames cannot be copied op by op.
+CONTROL_FLOW_V1_TYPES = frozenset({"Enter", "Exit", "NextIteration", "Switch", "Merge",
+                                   "RefEnter", "RefExit", "RefSwitch", "RefMerge", "LoopCond"})
+# OpDef type attributes of arguments that hold shapes, axes or indices of a
+# layout rather than data; a constant fed only into these is not a batch input.
+SHAPE_LIKE_TYPE_ATTRS = frozenset({"Tshape", "Tidx", "Tmultiples", "Tpaddings", "Taxis", "Tperm",
+                                   "Tdim", "Index", "index_type", "Tblock_shape", "Tcrops",
+                                   "Tlen", "Tsplits", "Tshift", "out_idx"})
+IMPLICIT_SPEC = StrategySpec(StrategyKind.REPLICATE, 1, "default")
+
+
+@dataclasses.dataclass
+class TrainingView:
+    """What the passes need to know about a training graph.
+
+    taskgraphs: TaskGraphs in creation (stage) order.
+    taskgraph_of / phase_of: per op.
+    step_ops: ops one training step runs (ancestors of the train ops).
+    replica_ops: ops that make up one replica (copied per replica), creation order.
+    batch_inputs: tensors holding the global batch (sliced over replicas).
+    global_batch_size: static size of their first dimension, or None if dynamic.
+    variables: variable ops read by replica ops (mirrored per replica).
+    losses: the losses passed to compute_gradients.
+    gradients: (gradient tensor, variable op) for every trainable gradient.
+    train_ops: the ops apply_gradients returned.
+    """
+
+    graph: tf.Graph
+    taskgraphs: list[TaskGraph]
+    taskgraph_of: dict[tf.Operation, TaskGraph]
+    phase_of: dict[tf.Operation, Phase]
+    step_ops: set[tf.Operation]
+    replica_ops: list[tf.Operation]
+    batch_inputs: list[tf.Tensor]
+    global_batch_size: int | None
+    variables: list[tf.Operation]
+    losses: list[tf.Tensor]
+    gradients: list[tuple[tf.Tensor, tf.Operation]]
+    train_ops: list[tf.Operation]
+    steps: list = dataclasses.field(default_factory=list)
+
+    def describe_op(self, op: tf.Operation) -> str:
+        """One line naming an op for error messages: name, type, shape, TaskGraph, device."""
+        shape = op.outputs[0].shape if op.outputs else "()"
+        taskgraph = self.taskgraph_of.get(op)
+        return (f"{op.name} (type {op.type}, shape {shape}, TaskGraph "
+                f"{taskgraph.name if taskgraph else '?'}, device {op.device or 'unset'})")
+
+
+def ancestors(roots, include_control: bool = True) -> set[tf.Operation]:
+    """Every op that `roots` (ops) need, including themselves."""
+    seen: set[tf.Operation] = set()
+    stack = list(roots)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        if include_control:
+            stack.extend(op.control_inputs)
+    return seen
+
+
+def descendants(tensors, within: set | None = None) -> set[tf.Operation]:
+    """Ops computed from `tensors` through data edges (optionally within a set)."""
+    seen: set[tf.Operation] = set()
+    stack = [c for t in tensors for c in t.consumers()]
+    while stack:
+        op = stack.pop()
+        if op in seen or (within is not None and op not in within):
+            continue
+        seen.add(op)
+        stack.extend(c for out in op.outputs for c in out.consumers())
+    return seen
+
+
+def _attr_string(op: tf.Operation, name: str) -> str | None:
+    attr = op.node_def.attr.get(name)
+    return attr.s.decode() if attr is not None else None
+
+
+def colocation_root(op: tf.Operation) -> tf.Operation | None:
+    """The op `op` is colocated with (through its `_class` attr), if another one."""
+    for group in op.colocation_groups():
+        name = group.decode()[len("loc:@"):]
+        if name != op.name:
+            try:
+                return op.graph.get_operation_by_name(name)
+            except KeyError:
+                return None
+    return None
+
+
+def input_arg_type_attr(op: tf.Operation, index: int) -> tuple[str, bool]:
+    """(type_attr, is_fixed_int) of the OpDef argument behind input `index`."""
+    position = 0
+    for arg in op.op_def.input_arg:
+        if arg.number_attr:
+            width = op.get_attr(arg.number_attr)
+        elif arg.type_list_attr:
+            width = len(op.get_attr(arg.type_list_attr))
+        else:
+            width = 1
+        if index < position + width:
+            fixed_int = not arg.type_attr and not arg.type_list_attr and arg.type in (
+                tf.int32.as_datatype_enum, tf.int64.as_datatype_enum)
+            return arg.type_attr, fixed_int
+        position += width
+    return "", False
+
+
+def _feeds_as_data(tensor: tf.Tensor) -> bool:
+    for consumer in tensor.consumers():
+        for index, inp in enumerate(consumer.inputs):
+            if inp is tensor:
+                type_attr, fixed_int = input_arg_type_attr(consumer, index)
+                if type_attr not in SHAPE_LIKE_TYPE_ATTRS and not fixed_int:
+                    return True
+    return False
+
+
+def _first_dim(tensor: tf.Tensor) -> int | None:
+    shape = tensor.shape
+    if shape.rank is None or shape.rank == 0:
+        return None
+    return shape[0]
+
+
+def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor], int | None]:
+    """Return the batch input tensors among the loss's ancestors and the batch size."""
+    ordered = sorted(loss_ancestors, key=lambda op: op._id)
+    sources = []
+    for op in ordered:
+        if op.type in ITERATOR_OUTPUT_TYPES:
+            sources.extend(t for t in op.outputs if t.shape.rank is None or t.shape.rank >= 1)
+        elif op.type in PLACEHOLDER_TYPES and op.outputs[0].shape.rank not in (None, 0):
+            sources.append(op.outputs[0])
+    known = {d for d in (_first_dim(t) for t in sources) if d is not None}
+    if len(known) > 1:
+        listing = "; ".join(f"{t.name} {t.shape}" for t in sources)
+        raise ParallelizeError(
+            "the batch inputs disagree on the global batch size (first dimension): "
+            f"{listing}. Every placeholder or iterator output of rank >= 1 that feeds the loss "
+            "is sliced along its first dimension; give them the same batch dimension, or feed "
+            "per-example constants (like class weights) as tf.constant instead of placeholders.")
+    consts = [op.outputs[0] for op in ordered if op.type == "Const"
+              and _first_dim(op.outputs[0]) is not None and _feeds_as_data(op.outputs[0])]
+    if not known:
+        known = {_first_dim(t) for t in consts if t.shape.rank >= 2 and t.dtype.is_floating}
+        if len(known) > 1:
+            known = {max(known, key=lambda d: sum(_first_dim(t) == d for t in consts))}
+    batch = known.pop() if known else None
+    if batch is not None:
+        sources.extend(t for t in consts if _first_dim(t) == batch)
+    return sources, batch
+
+
+def _resolve_taskgraphs(ops, state: GraphState, phase_of) -> dict[tf.Operation, TaskGraph]:
+    """TaskGraph of every op, following the rules in the module docstring."""
+    first = state.taskgraphs[0]
+    resolved: dict[tf.Operation, TaskGraph] = {}
+    for op in ops:  # creation order: inputs and colocation roots come first
+        name = _attr_string(op, TASKGRAPH_ATTR)
+        taskgraph = state.taskgraph(name) if name else None
+        if taskgraph is None and phase_of.get(op) in (Phase.BACKWARD, Phase.APPLY, Phase.OTHER):
+            root = colocation_root(op)
+            taskgraph = resolved.get(root) if root is not None else None
+        if taskgraph is None:
+            producers = [resolved[t.op] for t in op.inputs if t.op in resolved]
+            if producers and phase_of.get(op) != Phase.OTHER:
+                taskgraph = max(producers, key=lambda tg: tg.index)
+        resolved[op] = taskgraph or first
+    return resolved
+
+
+def _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_inputs):
+    phase_of: dict[tf.Operation, Phase] = {}
+    for op in ops:
+        tagged = _attr_string(op, PHASE_ATTR)
+        if tagged in (Phase.BACKWARD.value, Phase.APPLY.value):
+            phase_of[op] = Phase(tagged)
+    processing = descendants([g for g, _ in gradients], within=step_ops)
+    forward = ancestors([t.op for t in losses]) | descendants(batch_inputs)
+    for op in ops:
+        if op in phase_of:
+            continue
+        if op in processing:
+            phase_of[op] = Phase.APPLY
+        elif op in batch_region:
+            phase_of[op] = Phase.OTHER
+        elif op in forward:
+            phase_of[op] = Phase.FORWARD
+        else:
+            phase_of[op] = Phase.OTHER
+    return phase_of
+
+
+def _check_control_flow(replica_ops, describe) -> None:
+    bad = [op for op in replica_ops if op.type in CONTROL_FLOW_V1_TYPES]
+    if bad:
+        raise ParallelizeError(
+            "the model uses TF1 control flow (tf.compat.v1.while_loop/cond frames), which EPL "
+            "cannot copy per replica: " + "; ".join(describe(op) for op in bad[:5]) +
+            ". Call tf.compat.v1.enable_control_flow_v2() before building the model.")
+
+
+def training_steps(state: GraphState):
+    """The recorded steps that have a train op; error if there are none."""
+    steps = [s for s in state.train_steps if s.train_op is not None and s.loss is not None]
+    if not steps:
+        raise ParallelizeError(
+            "the graph has EPL strategy annotations but no training step: EPL parallelizes "
+            "the step built by a tf.compat.v1.train.Optimizer (minimize, or compute_gradients "
+            "followed by apply_gradients). Build the optimizer step before creating the "
+            "session or calling epl.parallelize().")
+    return steps
+
+
+def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
+    """Build the TrainingView of `graph`; raises ParallelizeError on bad input."""
+    steps = training_steps(state)
+    if not state.taskgraphs:
+        state.add_taskgraph(IMPLICIT_SPEC)
+    ops = graph.get_operations()
+    losses = [s.loss for s in steps]
+    train_ops = [s.train_op for s in steps]
+    gradients = [(g, v.op) for s in steps for g, v in s.grads_and_vars if g is not None]
+    for grad, var in gradients:
+        if isinstance(grad, tf.IndexedSlices):
+            raise ParallelizeError(
+                f"the gradient of {var.name} is sparse (tf.IndexedSlices, from an embedding "
+                "lookup); data parallelism on one worker reduces dense gradients. Set "
+                "communication.sparse_as_dense=True to reduce it as a dense tensor.")
+    step_ops = ancestors(train_ops)
+    loss_ancestors = ancestors([t.op for t in losses])
+    batch_inputs, batch = find_batch_inputs(loss_ancestors)
+    if not batch_inputs:
+        raise ParallelizeError(
+            "no batch input feeds the loss: EPL slices the global batch from tf.data iterator "
+            "outputs, placeholders of rank >= 1, or constants whose first dimension is the "
+            "batch. Feed the examples through one of these.")
+    batch_region = ancestors([t.op for t in batch_inputs])
+    phase_of = _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_inputs)
+    taskgraph_of = _resolve_taskgraphs(ops, state, phase_of)
+    replica_ops = [op for op in ops
+                   if op.type not in VARIABLE_OP_TYPES and op not in batch_region and (
+                       phase_of[op] == Phase.FORWARD or (
+                           phase_of[op] in (Phase.BACKWARD, Phase.APPLY) and op in step_ops))]
+    replica_set = set(replica_ops)
+    variables = [op for op in ops if op.type in VARIABLE_OP_TYPES
+                 and any(c in replica_set for out in op.outputs for c in out.consumers())]
+    view = TrainingView(graph, list(state.taskgraphs), taskgraph_of, phase_of, step_ops,
+                        replica_ops, batch_inputs, batch, variables, losses, gradients, train_ops,
+                        steps)
+    _check_control_flow(replica_ops, view.describe_op)
+    return view

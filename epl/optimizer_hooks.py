@@ -1,0 +1,113 @@
+"""Gradient time: what EPL records when the optimizer builds the training step.
+
+`compute_gradients` runs with gradients colocated with their forward ops (so
+each backward op points at its forward op through its colocation group, which
+is how it inherits the forward op's TaskGraph) and tags every op it creates
+with phase "backward". `apply_gradients` tags its ops with phase "apply". Both
+record the step (loss, gradients, train op) in the graph's GraphState.
+"""
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from epl.env import get_config, is_initialized
+from epl.ir.annotations import PHASE_ATTR, Phase
+from epl.ir.taskgraph import TrainStep, graph_state
+from epl.strategies import check_graph_mode
+
+_Optimizer = tf.compat.v1.train.Optimizer
+_ORIGINAL = {}
+
+
+def _phase_attr(phase: Phase) -> tf.compat.v1.AttrValue:
+    return tf.compat.v1.AttrValue(s=phase.value.encode())
+
+
+def _tag_new_ops(graph: tf.Graph, first: int, phase: Phase) -> None:
+    """Set the phase attr on every op created since op count `first`."""
+    value = _phase_attr(phase)
+    for op in graph.get_operations()[first:]:
+        if PHASE_ATTR not in op.node_def.attr:
+            op._set_attr(PHASE_ATTR, value)
+
+
+def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_OP,
+                      aggregation_method=None, colocate_gradients_with_ops=False,
+                      grad_loss=None):
+    """Optimizer.compute_gradients, colocated and tagged; records the step."""
+    if not is_initialized():
+        return _ORIGINAL["compute_gradients"](
+            self, loss, var_list=var_list, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss)
+    del colocate_gradients_with_ops  # always colocated: backward ops follow forward ops
+    check_graph_mode("Optimizer.compute_gradients under EPL")
+    graph = loss.graph
+    first = len(graph.get_operations())
+    grads_and_vars = _ORIGINAL["compute_gradients"](
+        self, loss, var_list=var_list, gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method, colocate_gradients_with_ops=True,
+        grad_loss=grad_loss)
+    sparse_as_dense = bool(get_config().get("communication.sparse_as_dense"))
+    if sparse_as_dense:
+        grads_and_vars = [(_densify(g), v) for g, v in grads_and_vars]
+    _tag_new_ops(graph, first, Phase.BACKWARD)
+    kwargs = dict(gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+                  grad_loss=grad_loss, sparse_as_dense=sparse_as_dense)
+    graph_state(graph).train_steps.append(
+        TrainStep(loss=loss, grads_and_vars=list(grads_and_vars), gradient_kwargs=kwargs))
+    return grads_and_vars
+
+
+def _densify(grad):
+    """A dense gradient for an IndexedSlices one (communication.sparse_as_dense)."""
+    if isinstance(grad, tf.IndexedSlices):
+        with tf.compat.v1.colocate_with(grad.values):
+            return tf.convert_to_tensor(grad)
+    return grad
+
+
+def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    """Optimizer.apply_gradients, tagged as the apply phase; records the train op."""
+    if not is_initialized():
+        return _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
+    grads_and_vars = tuple(grads_and_vars)
+    graph = _graph_of(grads_and_vars)
+    first = len(graph.get_operations())
+    train_op = _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
+    _tag_new_ops(graph, first, Phase.APPLY)
+    state = graph_state(graph)
+    step = _matching_step(state, grads_and_vars)
+    if step is None:
+        step = TrainStep(loss=None, grads_and_vars=list(grads_and_vars))
+        state.train_steps.append(step)
+    step.train_op = train_op if isinstance(train_op, tf.Operation) else train_op.op
+    return train_op
+
+
+def _graph_of(grads_and_vars) -> tf.Graph:
+    for grad, var in grads_and_vars:
+        if grad is not None:
+            return grad.graph
+    return tf.compat.v1.get_default_graph()
+
+
+def _matching_step(state, grads_and_vars):
+    """The recorded step whose variables the apply call updates (latest first)."""
+    applied = {id(v) for _, v in grads_and_vars}
+    for step in reversed(state.train_steps):
+        if step.train_op is None and {id(v) for _, v in step.grads_and_vars} & applied:
+            return step
+    return None
+
+
+def install() -> None:
+    """Wrap the tf.compat.v1 Optimizer methods (idempotent)."""
+    if _ORIGINAL:
+        return
+    _ORIGINAL["compute_gradients"] = _Optimizer.compute_gradients
+    _ORIGINAL["apply_gradients"] = _Optimizer.apply_gradients
+    _Optimizer.compute_gradients = functools.wraps(_ORIGINAL["compute_gradients"])(compute_gradients)
+    _Optimizer.apply_gradients = functools.wraps(_ORIGINAL["apply_gradients"])(apply_gradients)

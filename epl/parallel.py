@@ -1,0 +1,113 @@
+"""Parallelize time: run the planner and the passes once per graph.
+
+`parallelize(graph)` is called by the session hooks (first session on the
+graph, or MonitoredTrainingSession's Scaffold.finalize) or explicitly by the
+user. It analyses the graph, makes the plan (both may raise before anything is
+changed), runs the pass pipeline, and stores a `ParallelGraph` on the graph's
+state: what the session integration needs (fetch remapping, replica sync).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import tensorflow as tf
+
+from epl.cluster import Cluster, local_cluster
+from epl.env import get_config
+from epl.errors import ParallelizeError
+from epl.ir.graph_view import TrainingView, analyze
+from epl.ir.taskgraph import graph_state
+from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
+from epl.planner.plan import Plan, make_plan
+from epl.runtime.communicators import LocalCommunicator
+from epl.strategies import EAGER_HINT
+from graph_passes.annotate import AnnotatePass
+from graph_passes.gradient_comm import GradientCommPass
+from graph_passes.replicate import ReplicatePass
+from graph_passes.verify import InvariantInstrument, VerifyPass
+
+
+def training_pipeline() -> list:
+    """The training passes, in order (DESIGN.md, "Data flow")."""
+    return [AnnotatePass(), ReplicatePass(), GradientCommPass(), VerifyPass()]
+
+
+@dataclasses.dataclass
+class ParallelGraph:
+    """A parallelized graph and what running it needs.
+
+    fetch_map: user tensor -> tensor a fetch of it returns (merged losses).
+    sync_ops: original variable op -> op that copies it into its mirrors.
+    """
+
+    graph: tf.Graph
+    plan: Plan
+    cluster: Cluster
+    view: TrainingView
+    fetch_map: dict
+    sync_ops: dict
+    timings: dict
+
+    def session_config(self, base=None):
+        """The session config that creates this graph's devices."""
+        return self.cluster.session_config(base)
+
+
+def needs_parallelize(graph: tf.Graph) -> bool:
+    """True if EPL annotated `graph` (scopes or an optimizer step) and has not run yet."""
+    state = graph_state(graph, create=False)
+    return state is not None and not state.parallelized and bool(state.taskgraphs or state.train_steps)
+
+
+@contextlib.contextmanager
+def _clean_construction_context(graph: tf.Graph):
+    """Build EPL's ops at the top level: no user scopes, devices or control deps."""
+    saved_attrs = graph._attr_scope_map
+    graph._attr_scope_map = {}
+    try:
+        with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
+                tf.device(None), graph.colocate_with(None, ignore_existing=True):
+            yield
+    finally:
+        graph._attr_scope_map = saved_attrs
+
+
+def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | None = None) -> ParallelGraph:
+    """Rewrite `graph` (default: the default graph) for parallel training, once.
+
+    replica_weights: per-replica shares of the global batch (default: even, or
+    the planner's). Returns the ParallelGraph; a second call returns the first result.
+    """
+    if tf.executing_eagerly() and graph is None:
+        raise ParallelizeError(f"epl.parallelize() was called in eager mode. {EAGER_HINT}")
+    graph = graph or tf.compat.v1.get_default_graph()
+    state = graph_state(graph)
+    if state.parallelized:
+        return state.result
+    config = get_config()
+    cluster = local_cluster(config)
+    view = analyze(graph, state)
+    plan = make_plan(view.taskgraphs, cluster, replica_weights)
+    instruments = [TimingInstrument()]
+    if config.get("debug.dump_dir"):
+        instruments.append(DumpInstrument(config.get("debug.dump_dir")))
+    if config.get("debug.check_invariants"):
+        instruments.append(InvariantInstrument())
+    communicator = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")))
+    ctx = PassContext(config, plan, cluster, view, communicator)
+    finalized = graph.finalized
+    if finalized:
+        graph._unsafe_unfinalize()
+    try:
+        with _clean_construction_context(graph):
+            PassManager(training_pipeline(), instruments).run(graph, ctx)
+    finally:
+        if finalized:
+            graph.finalize()
+    replication = ctx.artifacts["replicate"]
+    result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
+                           dict(replication.sync_ops), dict(ctx.timings))
+    state.parallelized = True
+    state.result = result
+    return result

@@ -1,0 +1,159 @@
+"""Pass manager: runs graph passes in order, with instruments around each.
+
+A pass is a class with `name`, `requires` (passes that must have run before
+it) and `run(graph, ctx) -> PassResult`. Passes keep no state: what one pass
+hands to the next goes into `ctx.artifacts` under the producing pass's name.
+The manager checks every pass's `requires` before running anything, runs the
+instruments before and after each pass (dump, timing, invariant checks), and
+turns a failure into a PassError that names the pass and the passes before it.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from epl.errors import EPLError, PassError
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What a pass changed: op names added and removed, and old -> new op names."""
+
+    added: list[str] = dataclasses.field(default_factory=list)
+    removed: list[str] = dataclasses.field(default_factory=list)
+    op_map: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """Everything a pass may read: config, plan, cluster, analysis, artifacts."""
+
+    config: Any
+    plan: Any
+    cluster: Any
+    view: Any
+    communicator: Any
+    artifacts: dict = dataclasses.field(default_factory=dict)
+    timings: dict = dataclasses.field(default_factory=dict)
+    passes_run: list = dataclasses.field(default_factory=list)
+
+
+class GraphPass(abc.ABC):
+    """A graph rewrite. Subclasses set `name` and `requires` and implement run()."""
+
+    name: str = ""
+    requires: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        """Analyse, then rewrite `graph`; return what changed."""
+
+
+class Instrument:
+    """Hooks called around every pass (default: do nothing)."""
+
+    def before(self, graph_pass: GraphPass | None, graph: tf.Graph, ctx: PassContext) -> None:
+        """Called before a pass (graph_pass None: before the first one)."""
+
+    def after(self, graph_pass: GraphPass, graph: tf.Graph, ctx: PassContext,
+              result: PassResult, duration_s: float) -> None:
+        """Called after a pass succeeded."""
+
+
+class TimingInstrument(Instrument):
+    """Records each pass's duration in ctx.timings (seconds)."""
+
+    def after(self, graph_pass, graph, ctx, result, duration_s):
+        ctx.timings[graph_pass.name] = duration_s
+
+
+class DumpInstrument(Instrument):
+    """Writes the graph before the first pass and after each pass (debug.dump_dir)."""
+
+    def __init__(self, dump_dir: str):
+        self.dump_dir = dump_dir
+
+    def before(self, graph_pass, graph, ctx):
+        if graph_pass is None:
+            self._write(0, "input", graph, {"duration_s": 0.0, "passes_before": []})
+
+    def after(self, graph_pass, graph, ctx, result, duration_s):
+        summary = {"duration_s": duration_s, "added": result.added, "removed": result.removed,
+                   "op_map": result.op_map, "notes": result.notes,
+                   "passes_before": list(ctx.passes_run[:-1])}
+        self._write(len(ctx.passes_run), graph_pass.name, graph, summary)
+
+    def _write(self, index, name, graph, summary):
+        from epl.dump_format import write_pass_dump
+        write_pass_dump(self.dump_dir, index, name, graph.as_graph_def(add_shapes=True), summary)
+
+
+def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
+    """Give ops a pass added without tags the TaskGraph, phase and device of an input.
+
+    Passes tag and place the ops that matter (copies carry their original's
+    attributes); helper ops (slices, casts, groups) inherit from their first
+    tagged input, or fall back to the first TaskGraph, phase "other" and the
+    host device.
+    """
+    from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+    fallback_tg = ctx.view.taskgraphs[0].name.encode()
+    for op in graph.get_operations()[first_new:]:
+        if TASKGRAPH_ATTR in op.node_def.attr and op.device:
+            continue
+        source = next((t.op for t in list(op.inputs) + [c.outputs[0] for c in op.control_inputs if c.outputs]
+                       if TASKGRAPH_ATTR in t.op.node_def.attr), None)
+        if TASKGRAPH_ATTR not in op.node_def.attr:
+            tg = source.node_def.attr[TASKGRAPH_ATTR].s if source is not None else fallback_tg
+            phase = (source.node_def.attr[PHASE_ATTR].s if source is not None and PHASE_ATTR in
+                     source.node_def.attr else Phase.OTHER.value.encode())
+            op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=tg))
+            op._set_attr(PHASE_ATTR, tf.compat.v1.AttrValue(s=phase))
+        if not op.device:
+            op._set_device(source.device if source is not None and source.device else ctx.cluster.host_device)
+
+
+class PassManager:
+    """Runs an explicit list of passes over one graph."""
+
+    def __init__(self, passes: list[GraphPass], instruments: list[Instrument] | None = None):
+        self.passes = list(passes)
+        self.instruments = list(instruments or [])
+        self._check_requires()
+
+    def _check_requires(self) -> None:
+        seen: list[str] = []
+        for graph_pass in self.passes:
+            missing = [r for r in graph_pass.requires if r not in seen]
+            if missing:
+                raise PassError(
+                    f"pass {graph_pass.name!r} requires {missing} to run before it; the pipeline "
+                    f"is {[p.name for p in self.passes]}. Reorder the pass list.")
+            seen.append(graph_pass.name)
+
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassContext:
+        """Run every pass in order on `graph`; return the context (artifacts, timings)."""
+        for instrument in self.instruments:
+            instrument.before(None, graph, ctx)
+        for graph_pass in self.passes:
+            for instrument in self.instruments:
+                instrument.before(graph_pass, graph, ctx)
+            first_new = len(graph.get_operations())
+            start = time.perf_counter()
+            try:
+                result = graph_pass.run(graph, ctx)
+            except EPLError as err:
+                raise PassError(
+                    f"pass {graph_pass.name!r} failed (passes run before it: "
+                    f"{ctx.passes_run or 'none'}): {err}") from err
+            duration = time.perf_counter() - start
+            adopt_new_ops(graph, ctx, first_new)
+            ctx.passes_run.append(graph_pass.name)
+            for instrument in self.instruments:
+                instrument.after(graph_pass, graph, ctx, result, duration)
+        return ctx

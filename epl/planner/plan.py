@@ -1,0 +1,100 @@
+"""Plan: where each TaskGraph's replicas go and how the batch is shared.
+
+`make_plan` turns the TaskGraphs, the cluster and the config into a Plan. The
+layout: one replica of the model spans the sum of its TaskGraphs'
+`device_count`s; the local devices are cut into that many replicas; TaskGraph t
+of replica r runs on the first device of its slice of replica r's devices.
+Batch shares default to even; the hardware-aware planner (device profiles)
+supplies uneven shares, and tests may pass their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from epl.cluster import Cluster
+from epl.errors import ClusterError
+from epl.ir.taskgraph import TaskGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The parallel layout of one worker.
+
+    num_replicas: model replicas on this worker.
+    devices: TaskGraph name -> device of each replica (index = replica).
+    replica_weights: share of the global batch per replica (sums to 1).
+    """
+
+    num_replicas: int
+    devices: dict
+    replica_weights: tuple[float, ...]
+
+    def device(self, taskgraph: TaskGraph, replica: int) -> str:
+        """Device of `taskgraph` in `replica`."""
+        return self.devices[taskgraph.name][replica]
+
+    @property
+    def even(self) -> bool:
+        """True when every replica gets the same share of the batch."""
+        first = self.replica_weights[0]
+        return all(math.isclose(w, first, rel_tol=1e-12) for w in self.replica_weights)
+
+    def batch_sizes(self, global_batch: int) -> list[int]:
+        """Integer per-replica batch sizes summing to `global_batch`.
+
+        Boundaries are round(global_batch * cumulative share), the same rule the
+        graph uses when the batch size is only known at run time.
+        """
+        bounds = [0]
+        total = 0.0
+        for weight in self.replica_weights:
+            total += weight
+            bounds.append(int(round(global_batch * total)))
+        bounds[-1] = global_batch
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _layout(taskgraphs: list[TaskGraph], cluster: Cluster) -> tuple[int, dict]:
+    per_replica = sum(tg.spec.device_count for tg in taskgraphs)
+    available = cluster.num_local_devices
+    widest = max(taskgraphs, key=lambda tg: tg.spec.device_count)
+    if widest.spec.device_count > available or per_replica > available:
+        raise ClusterError(
+            f"{widest.spec.describe()} needs {per_replica} device(s) per replica "
+            f"(all TaskGraphs: {', '.join(f'{tg.name}={tg.spec.device_count}' for tg in taskgraphs)}) "
+            f"but this worker has {available} {cluster.device_type} device(s). Lower device_count, "
+            "or add devices (on CPU: cluster.virtual_devices).")
+    if available % per_replica:
+        raise ClusterError(
+            f"one replica spans {per_replica} device(s) "
+            f"({', '.join(f'{tg.name}={tg.spec.device_count}' for tg in taskgraphs)}), which does "
+            f"not divide the {available} {cluster.device_type} devices of this worker. Choose "
+            f"device_count values whose sum divides {available}.")
+    replicas = available // per_replica
+    devices = {}
+    offset = 0
+    for tg in taskgraphs:
+        devices[tg.name] = [cluster.local_devices[r * per_replica + offset] for r in range(replicas)]
+        offset += tg.spec.device_count
+    return replicas, devices
+
+
+def make_plan(taskgraphs: list[TaskGraph], cluster: Cluster,
+              replica_weights: list[float] | None = None) -> Plan:
+    """Lay the TaskGraphs out on the cluster; raise ClusterError if they do not fit.
+
+    replica_weights: optional batch shares per replica (positive; normalized).
+    """
+    replicas, devices = _layout(taskgraphs, cluster)
+    if replica_weights is None:
+        weights = tuple(1.0 / replicas for _ in range(replicas))
+    else:
+        weights = tuple(float(w) for w in replica_weights)
+        if len(weights) != replicas or any(not w > 0 for w in weights):
+            raise ClusterError(
+                f"replica_weights={list(replica_weights)} must hold {replicas} positive numbers, "
+                f"one per replica ({replicas} replicas on {cluster.num_local_devices} devices).")
+        total = sum(weights)
+        weights = tuple(w / total for w in weights)
+    return Plan(replicas, devices, weights)

@@ -1,0 +1,779 @@
+"""Device capability profiles: what a device can compute, hold and move.
+
+A `DeviceProfile` is a small immutable value the planner reads: peak FLOP/s
+per dtype, memory size, memory bandwidth and the bandwidth of the links to
+other devices in the same host and to other hosts.  This module holds
+
+- a table of common accelerators with their published datasheet figures
+  (dense math, no structured sparsity), plus a "CPU" profile measured on
+  this machine by a short micro-benchmark;
+- name normalisation and aliases (`get_profile`), with config overrides from
+  `cluster.device_profiles`;
+- `detect_profile`, which maps TensorFlow device names and physical device
+  descriptions to profiles;
+- `parse_cluster`, which reads cluster strings such as "2x8xV100-32GB,2x8xT4";
+- `virtual_cpu_profiles`, which lets tests make virtual CPU devices stand for
+  a mixed cluster.
+
+Conventions and decisions
+-------------------------
+- `peak_flops` keys are dtype names: "float32", "float16", "bfloat16" and
+  "float64" for every built-in profile; GPUs from Ampere on also carry
+  "tensorfloat32" (TF32 tensor-core math, which TensorFlow uses for float32
+  matmuls and convolutions by default on those GPUs).  "float32" is the
+  CUDA-core FP32 figure, which is the conservative choice; pass
+  dtype="tensorfloat32" to `DeviceProfile.flops` where TF32 is known to be on.
+- "float16" on Volta/Turing and "float16"/"bfloat16" from Ampere on are the
+  dense tensor-core figures.  GPUs without bfloat16 hardware (P100, V100, T4)
+  list bfloat16 at their float32 rate: TensorFlow computes it by conversion.
+- Memory sizes are the nominal capacities in GiB (NVIDIA's "GB" for HBM and
+  GDDR capacities are binary); slightly less is usable once the runtime has
+  taken its share, so the planner should keep some headroom.
+- Memory bandwidths are the datasheet figures in decimal bytes per second.
+- Link bandwidths are per direction, which is what a ring all-reduce uses:
+  half of the bidirectional totals on NVIDIA's datasheets (NVLink, PCIe).
+- Inter-node bandwidth defaults to 100 Gb/s (12.5 GB/s) for every profile,
+  a typical RDMA NIC per host; override it through `cluster.device_profiles`
+  where the cluster has more (for example 4x200 Gb/s InfiniBand per host).
+- Aliases choose the variant with the smaller memory where one name covers
+  several ("V100" -> "V100-16GB", "A100" -> "A100-40GB") so that a plan made
+  with the alias never needs more memory than the device has; "H100" ->
+  "H100-80GB" (SXM5), "H200" -> "H200-141GB" (SXM), "P100" -> "P100-16GB".
+- The CPU profile is measured once per process; different processes (and
+  different Horovod workers) may measure slightly different figures.  Where
+  every worker must reach the same plan, give the "CPU" profile in
+  `cluster.device_profiles` with all fields, which skips the measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from epl.errors import ClusterError, ConfigError
+
+GiB = 1 << 30
+GB = 10**9
+TFLOPS = 10**12
+
+#: Default inter-node bandwidth: one 100 Gb/s NIC per host, in bytes/s.
+DEFAULT_INTER_NODE_BANDWIDTH = 100e9 / 8
+#: PCIe 3.0 x16, per direction (datasheets quote 32 GB/s bidirectional).
+PCIE3_X16 = 16 * GB
+#: PCIe 4.0 x16, per direction (datasheets quote 64 GB/s bidirectional).
+PCIE4_X16 = 32 * GB
+#: NVLink 2 on V100 SXM2: 300 GB/s total, 150 GB/s per direction.
+NVLINK2_V100 = 150 * GB
+#: NVLink 3 on A100 SXM4: 600 GB/s total, 300 GB/s per direction.
+NVLINK3_A100 = 300 * GB
+#: NVLink 4 on H100/H200 SXM: 900 GB/s total, 450 GB/s per direction.
+NVLINK4_H100 = 450 * GB
+
+#: The dtype keys every built-in profile provides.
+STANDARD_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+_DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32",
+    "single": "float32",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64", "f64": "float64", "double": "float64",
+    "tf32": "tensorfloat32",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """What one device can compute, hold and move.
+
+    Attributes:
+        name: the profile's name, e.g. "V100-32GB".
+        peak_flops: dtype name -> peak dense FLOP/s, e.g. {"float32": 15.7e12}.
+        memory_bytes: device memory in bytes.
+        memory_bandwidth: device memory bandwidth in bytes/s.
+        intra_node_bandwidth: per-direction bandwidth to another device of
+            the same host (NVLink or PCIe) in bytes/s.
+        inter_node_bandwidth: per-direction network bandwidth to another
+            host in bytes/s.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())),
+                     self.memory_bytes, self.memory_bandwidth,
+                     self.intra_node_bandwidth, self.inter_node_bandwidth))
+
+    def flops(self, dtype: Any = "float32") -> float:
+        """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
+
+        Raises ConfigError naming the dtypes the profile knows when it has no
+        figure for `dtype`.
+        """
+        key = normalize_dtype(dtype)
+        if key not in self.peak_flops:
+            raise ConfigError(
+                f"device profile {self.name!r} has no peak FLOP/s for dtype "
+                f"{key!r}; it knows {sorted(self.peak_flops)}. Add one with "
+                f"cluster.device_profiles: {{{self.name!r}: "
+                f"{{'peak_flops': {{{key!r}: <FLOP/s>}}}}}}")
+        return float(self.peak_flops[key])
+
+    def with_overrides(self, **fields: Any) -> "DeviceProfile":
+        """Return a copy with `fields` replaced.
+
+        `peak_flops` given as a dict is merged into this profile's (so one
+        dtype can be changed alone); given as a number it sets every dtype
+        this profile lists.  Sizes may be numbers or strings with units
+        ("32GiB", "900GB/s", "100Gb/s", "15.7TFLOPS").  Unknown field names
+        raise ConfigError listing the valid ones.
+        """
+        fields = dict(fields)
+        name = fields.pop("name", self.name)
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a profile name must be a non-empty string, "
+                              f"got {name!r}")
+        values = _validated_fields(fields, context=f"profile {self.name!r}")
+        values["name"] = name
+        if "peak_flops" in values:
+            values["peak_flops"] = _merge_flops(self.peak_flops,
+                                                values["peak_flops"])
+        return dataclasses.replace(self, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as a JSON-friendly dict (the form overrides accept)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+    """One host of a cluster: `devices` devices of one `profile`."""
+
+    profile: DeviceProfile
+    devices: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise ClusterError(
+                f"a host needs at least one device, got {self.devices!r}")
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Canonical dtype name for `dtype` (str or anything with `.name`)."""
+    name = getattr(dtype, "name", dtype)
+    if not isinstance(name, str):
+        raise ConfigError(f"expected a dtype name or tf.DType, got {dtype!r}")
+    name = name.strip().lower()
+    return _DTYPE_ALIASES.get(name, name)
+
+
+# --------------------------------------------------------------------------
+# The table of built-in profiles.
+# --------------------------------------------------------------------------
+
+def _gpu(name: str, flops_tera: dict[str, float], memory_gib: float,
+         bandwidth_gbs: float, intra: float) -> DeviceProfile:
+    """Build a GPU profile from datasheet units (TFLOPS, GiB, GB/s)."""
+    return DeviceProfile(
+        name=name,
+        peak_flops={k: v * TFLOPS for k, v in flops_tera.items()},
+        memory_bytes=float(memory_gib * GiB),
+        memory_bandwidth=float(bandwidth_gbs * GB),
+        intra_node_bandwidth=float(intra),
+        inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH)
+
+
+# NVIDIA Tesla P100 PCIe 16GB datasheet: 9.3 TFLOPS FP32, 18.7 TFLOPS FP16,
+# 4.7 TFLOPS FP64, 16 GB CoWoS HBM2 at 732 GB/s, PCIe Gen3 x16 (no NVLink on
+# the PCIe card; the SXM2 card has 10.6 TFLOPS FP32 and NVLink).
+_P100 = {"float32": 9.3, "float16": 18.7, "bfloat16": 9.3, "float64": 4.7}
+# NVIDIA V100 (SXM2) datasheet: 15.7 TFLOPS FP32, 125 TFLOPS tensor (FP16),
+# 7.8 TFLOPS FP64, 16 or 32 GB HBM2 at 900 GB/s, NVLink 300 GB/s.
+_V100 = {"float32": 15.7, "float16": 125.0, "bfloat16": 15.7, "float64": 7.8}
+# NVIDIA T4 datasheet: 8.1 TFLOPS FP32, 65 TFLOPS mixed FP16/FP32 tensor,
+# 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16.  FP64 is not on the datasheet;
+# Turing runs it at 1/32 of FP32 (0.25 TFLOPS).
+_T4 = {"float32": 8.1, "float16": 65.0, "bfloat16": 8.1, "float64": 0.25}
+# NVIDIA A10 datasheet: 31.2 TFLOPS FP32, 62.5 TFLOPS TF32, 125 TFLOPS BF16
+# and FP16 tensor (dense; 250 with sparsity), 24 GB GDDR6 at 600 GB/s,
+# PCIe Gen4 x16.  FP64 is not on the datasheet; GA102 runs it at 1/64 of
+# FP32 (0.49 TFLOPS).
+_A10 = {"float32": 31.2, "tensorfloat32": 62.5, "float16": 125.0,
+        "bfloat16": 125.0, "float64": 0.49}
+# NVIDIA A100 (SXM4) datasheet: 19.5 TFLOPS FP32, 156 TFLOPS TF32, 312
+# TFLOPS BF16/FP16 tensor (dense), 9.7 TFLOPS FP64; 40 GB HBM2 at 1,555 GB/s
+# or 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s.
+_A100 = {"float32": 19.5, "tensorfloat32": 156.0, "float16": 312.0,
+         "bfloat16": 312.0, "float64": 9.7}
+# NVIDIA H100 SXM5 datasheet: 67 TFLOPS FP32, 989 TFLOPS BF16/FP16 and 494.5
+# TFLOPS TF32 tensor (dense; the datasheet's 1,979 and 989 are with
+# sparsity), 34 TFLOPS FP64; 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s.
+# NVIDIA H200 SXM datasheet: the same compute, 141 GB HBM3e at 4.8 TB/s.
+_H100 = {"float32": 67.0, "tensorfloat32": 494.5, "float16": 989.5,
+         "bfloat16": 989.5, "float64": 34.0}
+
+_TABLE: dict[str, DeviceProfile] = {p.name: p for p in (
+    _gpu("P100-16GB", _P100, 16, 732, PCIE3_X16),
+    _gpu("V100-16GB", _V100, 16, 900, NVLINK2_V100),
+    _gpu("V100-32GB", _V100, 32, 900, NVLINK2_V100),
+    _gpu("T4", _T4, 16, 320, PCIE3_X16),
+    _gpu("A10", _A10, 24, 600, PCIE4_X16),
+    _gpu("A100-40GB", _A100, 40, 1555, NVLINK3_A100),
+    _gpu("A100-80GB", _A100, 80, 2039, NVLINK3_A100),
+    _gpu("H100-80GB", _H100, 80, 3350, NVLINK4_H100),
+    _gpu("H200-141GB", _H100, 141, 4800, NVLINK4_H100),
+)}
+
+CPU_PROFILE_NAME = "CPU"
+
+_ALIASES = {
+    "P100": "P100-16GB",
+    "V100": "V100-16GB",
+    "A100": "A100-40GB",
+    "H100": "H100-80GB",
+    "H100-SXM": "H100-80GB",
+    "H200": "H200-141GB",
+    "H200-SXM": "H200-141GB",
+}
+
+
+def known_profiles() -> list[str]:
+    """Names of the built-in profiles (the table plus "CPU")."""
+    return sorted(_TABLE) + [CPU_PROFILE_NAME]
+
+
+def known_aliases() -> dict[str, str]:
+    """Alias -> built-in profile name."""
+    return dict(_ALIASES)
+
+
+def _key(name: str) -> str:
+    """Normalised lookup key: upper case, no punctuation, "32G" == "32GB"."""
+    key = re.sub(r"[^A-Z0-9]", "", name.upper())
+    return re.sub(r"(\d)G(?=$|[A-Z])(?!B)", r"\1GB", key)
+
+
+_BY_KEY = {_key(n): n for n in [*_TABLE, CPU_PROFILE_NAME]}
+_BY_KEY.update({_key(alias): target for alias, target in _ALIASES.items()})
+
+
+def _builtin_name(name: str) -> str | None:
+    """The built-in profile `name` stands for, or None."""
+    return _BY_KEY.get(_key(name))
+
+
+def _builtin(name: str) -> DeviceProfile:
+    """A built-in profile by canonical name (measures the CPU if needed)."""
+    if name == CPU_PROFILE_NAME:
+        return cpu_profile()
+    return _TABLE[name]
+
+
+# --------------------------------------------------------------------------
+# The CPU micro-benchmark.
+# --------------------------------------------------------------------------
+
+_MATMUL_SIZE = 512
+_MATMUL_SECONDS = 0.15
+_COPY_BYTES = 32 << 20
+_COPY_SECONDS = 0.05
+
+
+def _best_rate(work: float, run, seconds: float) -> float:
+    """Best observed `work` per second of `run()` over about `seconds`."""
+    run()  # warm up (thread pools, page faults)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() >= deadline:
+            return work / max(best, 1e-9)
+
+
+def _measure_matmul_flops() -> float:
+    """float32 FLOP/s of a 512x512 numpy matmul (best of ~0.15 s)."""
+    import numpy as np
+    a = np.random.default_rng(0).random((_MATMUL_SIZE,) * 2, np.float32)
+    b = a.copy()
+    return _best_rate(2.0 * _MATMUL_SIZE**3, lambda: a @ b, _MATMUL_SECONDS)
+
+
+def _measure_copy_bandwidth() -> float:
+    """Memory bandwidth in B/s from a 32 MiB numpy copy (read + write)."""
+    import numpy as np
+    src = np.ones(_COPY_BYTES // 4, np.float32)
+    dst = np.empty_like(src)
+    return _best_rate(2.0 * _COPY_BYTES, lambda: np.copyto(dst, src),
+                      _COPY_SECONDS)
+
+
+def _total_ram_bytes() -> int:
+    """This machine's physical memory in bytes (os.sysconf)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_profile() -> DeviceProfile:
+    """The "CPU" profile of this machine, measured once per process (~0.2 s).
+
+    float32 FLOP/s from a timed 512x512 float32 numpy matmul (all cores
+    numpy's BLAS uses); float16 and bfloat16 at the float32 rate (TensorFlow
+    computes them by conversion on most CPUs); float64 at half the float32
+    rate (half as many lanes per vector).  Memory is the machine's RAM;
+    memory bandwidth comes from a timed 32 MiB copy and also serves as the
+    intra-node bandwidth (copies between CPU devices are memory copies).
+    Inter-node bandwidth is the 100 Gb/s default.
+    """
+    fp32 = _measure_matmul_flops()
+    bandwidth = _measure_copy_bandwidth()
+    return DeviceProfile(
+        name=CPU_PROFILE_NAME,
+        peak_flops={"float32": fp32, "float16": fp32, "bfloat16": fp32,
+                    "float64": fp32 / 2},
+        memory_bytes=float(_total_ram_bytes()),
+        memory_bandwidth=bandwidth,
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH)
+
+
+# --------------------------------------------------------------------------
+# Field values and overrides.
+# --------------------------------------------------------------------------
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
+_OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_PREFIX = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+           "KI": 2.0**10, "MI": 2.0**20, "GI": 2.0**30, "TI": 2.0**40,
+           "PI": 2.0**50}
+_UNITS = {  # field kind -> unit suffixes and the factor each stands for
+    "bytes": {"": 1, "B": 1},
+    "rate": {"": 1, "B/S": 1, "BPS": 1, "BIT/S": 1 / 8, "BITS/S": 1 / 8},
+    "flops": {"": 1, "FLOPS": 1, "FLOP/S": 1},
+}
+_FIELD_KIND = {"memory_bytes": "bytes", "memory_bandwidth": "rate",
+               "intra_node_bandwidth": "rate",
+               "inter_node_bandwidth": "rate", "peak_flops": "flops"}
+
+
+def parse_quantity(value: Any, kind: str, where: str) -> float:
+    """A positive number from `value`: a number or a string with units.
+
+    kind is "bytes" ("16GiB", "16GB"), "rate" ("900GB/s", "100Gb/s" -- a
+    lower-case "b" in a rate means bits) or "flops" ("15.7TFLOPS").
+    Raises ConfigError naming `where` for anything else.
+    """
+    bad = ConfigError(f"{where}: expected a positive number, got {value!r}")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        number = _parse_unit_string(value, kind, where)
+    else:
+        raise bad
+    if not number > 0 or number == float("inf"):
+        raise bad
+    return number
+
+
+def _parse_unit_string(text: str, kind: str, where: str) -> float:
+    """Parse "<number><prefix><unit>" into a float (see `parse_quantity`)."""
+    match = re.fullmatch(_NUMBER + r"\s*([kKmMgGtTpP]?)(i?)([a-zA-Z/]*)",
+                         text.strip())
+    if match:
+        number, prefix, binary, unit = match.groups()
+        if kind == "rate" and re.fullmatch(r"b(ps|/s)?", unit):
+            unit = "bit/s"  # "Gb/s", "Gbps": bits
+        prefix_key = (prefix + binary).upper()
+        factor = _UNITS[kind].get(unit.upper())
+        if prefix_key in _PREFIX and factor is not None:
+            return float(number) * _PREFIX[prefix_key] * factor
+    examples = {"bytes": "17179869184, '16GiB', '16GB'",
+                "rate": "9e11, '900GB/s', '100Gb/s'",
+                "flops": "15.7e12, '15.7TFLOPS'"}[kind]
+    raise ConfigError(f"{where}: cannot read {text!r}; expected a number or "
+                      f"a string such as {examples}")
+
+
+def _validated_fields(fields: Mapping[str, Any], context: str) -> dict:
+    """Check override field names and parse their values."""
+    unknown = sorted(set(fields) - set(_OVERRIDE_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{context}: unknown device profile field(s) {unknown}; valid "
+            f"fields are {list(_OVERRIDE_FIELDS)} (and 'base' in "
+            f"cluster.device_profiles, naming a profile to start from)")
+    values = {}
+    for field, value in fields.items():
+        where = f"{context}, field {field!r}"
+        if field == "peak_flops":
+            values[field] = _parse_flops(value, where)
+        else:
+            values[field] = parse_quantity(value, _FIELD_KIND[field], where)
+    return values
+
+
+def _parse_flops(value: Any, where: str) -> dict[str, float] | float:
+    """peak_flops override: a dtype -> FLOP/s mapping or one number."""
+    if isinstance(value, Mapping):
+        return {normalize_dtype(k): parse_quantity(v, "flops",
+                                                   f"{where}[{k!r}]")
+                for k, v in value.items()}
+    return parse_quantity(value, "flops", where)
+
+
+def _merge_flops(base: Mapping[str, float],
+                 new: Mapping[str, float] | float) -> dict[str, float]:
+    """Merge a peak_flops override into `base` (a number sets every dtype)."""
+    if isinstance(new, Mapping):
+        return {**base, **new}
+    return {dtype: new for dtype in (base or STANDARD_DTYPES)}
+
+
+def _how_to_add() -> str:
+    """The hint every unknown-profile error ends with."""
+    return ("add one under the config key cluster.device_profiles, either "
+            "from a known profile, e.g. {'MyGPU': {'base': 'A100-40GB', "
+            "'memory_bytes': '24GiB'}}, or with every field: {'MyGPU': "
+            "{'peak_flops': {'float32': 2e13, 'float16': 1.5e14}, "
+            "'memory_bytes': 2.4e10, 'memory_bandwidth': 9e11, "
+            "'intra_node_bandwidth': 3.2e10, 'inter_node_bandwidth': "
+            "1.25e10}}")
+
+
+def _unknown_profile(name: str, overrides: Mapping | None) -> ClusterError:
+    """The ClusterError for a profile name nobody defines."""
+    custom = sorted(overrides or {})
+    extra = f"; configured in cluster.device_profiles: {custom}" if custom \
+        else ""
+    return ClusterError(
+        f"unknown device profile {name!r}. Known profiles: "
+        f"{known_profiles()}; aliases: {sorted(_ALIASES)}{extra}. To use "
+        f"another device, {_how_to_add()}")
+
+
+def _find_override(name: str, overrides: Mapping | None):
+    """(override key, spec) for `name` in `overrides`, or None."""
+    if not overrides:
+        return None
+    wanted = {_key(name)}
+    builtin = _builtin_name(name)
+    if builtin:
+        wanted.add(_key(builtin))
+    for key in overrides:
+        if isinstance(key, str) and _key(key) in wanted:
+            return key, overrides[key]
+    return None
+
+
+def _spec_fields(key: str, spec: Any) -> tuple[str | None, dict]:
+    """(base name or None, field dict) of one cluster.device_profiles entry."""
+    where = f"cluster.device_profiles[{key!r}]"
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, DeviceProfile):
+        return None, {f: getattr(spec, f) for f in _OVERRIDE_FIELDS}
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where}: expected a profile name or a dict of "
+                          f"fields, got {spec!r}")
+    fields = dict(spec)
+    base = fields.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{where}: 'base' must name a profile, got {base!r}")
+    return base, _validated_fields(fields, where)
+
+
+def _from_spec(key: str, spec: Any, overrides: Mapping | None,
+               resolving: tuple[str, ...]) -> DeviceProfile:
+    """Build the profile named `key` from its cluster.device_profiles entry."""
+    base, fields = _spec_fields(key, spec)
+    if base is None and _builtin_name(key) and \
+            set(fields) != set(_OVERRIDE_FIELDS):
+        base = _builtin_name(key)  # overriding some fields of a known one
+    if base is None:
+        missing = [f for f in _OVERRIDE_FIELDS if f not in fields]
+        if missing:
+            raise ConfigError(
+                f"cluster.device_profiles[{key!r}] defines a new profile but "
+                f"lacks field(s) {missing}; give them or a 'base' profile "
+                f"to start from, e.g. {{'base': 'A100-40GB', ...}}")
+        fields["peak_flops"] = _merge_flops({}, fields["peak_flops"])
+        return DeviceProfile(name=key, **fields)
+    start = _resolve(base, overrides, resolving + (key,))
+    return dataclasses.replace(start.with_overrides(**fields), name=key)
+
+
+def _resolve(name: str, overrides: Mapping | None,
+             resolving: tuple[str, ...] = ()) -> DeviceProfile:
+    """Look `name` up in overrides, then in the built-in table."""
+    if not isinstance(name, str) or not name.strip():
+        raise ClusterError(f"a device profile name must be a non-empty "
+                           f"string, got {name!r}")
+    found = _find_override(name, overrides)
+    if found and found[0] not in resolving:
+        return _from_spec(found[0], found[1], overrides, resolving)
+    if found:
+        if _builtin_name(name):  # "A100" overriding itself from its base
+            return _builtin(_builtin_name(name))
+        chain = " -> ".join(resolving + (found[0],))
+        raise ConfigError(f"cluster.device_profiles: 'base' entries form a "
+                          f"cycle: {chain}")
+    builtin = _builtin_name(name)
+    if builtin is None:
+        raise _unknown_profile(name, overrides)
+    return _builtin(builtin)
+
+
+def get_profile(name: str,
+                overrides: Mapping[str, Any] | None = None) -> DeviceProfile:
+    """The profile called `name` (case-insensitive; aliases allowed).
+
+    Args:
+        name: a built-in profile ("V100-32GB", "a100", "T4", "CPU", ...) or
+            a key of `overrides`.
+        overrides: the `cluster.device_profiles` config value: profile name
+            (new or existing) -> dict of fields, optionally with "base"
+            naming the profile to start from, or a plain string naming
+            another profile.  An entry for an existing name changes only the
+            fields it gives.
+
+    Returns:
+        The DeviceProfile; entries of `overrides` take precedence.
+
+    Raises:
+        ClusterError: `name` is neither built in nor configured (the message
+            lists the known profiles and how to add one).
+        ConfigError: an override has unknown fields or bad values.
+    """
+    return _resolve(name, overrides)
+
+
+# --------------------------------------------------------------------------
+# Detection from TensorFlow device names.
+# --------------------------------------------------------------------------
+
+# (pattern over the upper-cased GPU model name, profile); first match wins.
+_GPU_PATTERNS = (
+    (r"H200", "H200-141GB"),
+    (r"H100", "H100-80GB"),
+    (r"A100.*80\s*G", "A100-80GB"),
+    (r"A100", "A100-40GB"),
+    (r"A10(?!\d)", "A10"),
+    (r"T4(?!\d)", "T4"),
+    (r"V100.*32\s*G", "V100-32GB"),
+    (r"V100", "V100-16GB"),
+    (r"P100", "P100-16GB"),
+)
+
+
+def _device_type(device_name: str) -> str:
+    """"CPU", "GPU", ... from "/job:w/replica:0/task:0/device:GPU:0" etc."""
+    match = re.search(r"(?:^|[/:])(?:device:)?([A-Za-z_]+):\d+\s*$",
+                      device_name.strip())
+    if match:
+        return match.group(1).upper()
+    return device_name.strip().upper()
+
+
+def _gpu_model(description: str) -> str:
+    """The model name in a TF physical device description."""
+    match = re.search(r"name:\s*([^,]+)", description)
+    return (match.group(1) if match else description).strip()
+
+
+def detect_profile(device_name: str, physical_description: str = "",
+                   overrides: Mapping[str, Any] | None = None
+                   ) -> DeviceProfile:
+    """Map a TensorFlow device to its profile.
+
+    Args:
+        device_name: e.g. "/device:GPU:0", "/job:worker/task:1/device:CPU:0".
+        physical_description: TensorFlow's physical_device_desc, e.g.
+            "device: 0, name: Tesla V100-SXM2-32GB, pci bus id: 0000:00:04.0,
+            compute capability: 7.0", or just a model name such as
+            "NVIDIA A100-SXM4-80GB".
+        overrides: `cluster.device_profiles`; an entry whose name equals the
+            device's model name (or the profile it maps to) wins.
+
+    Returns:
+        The profile: "CPU" for CPU devices, the matching table entry for a
+        known GPU model (H100 PCIe/NVL cards map to "H100-80GB" and A10G to
+        "A10", the nearest entries).
+
+    Raises:
+        ClusterError: the device type or GPU model is not known; the message
+            says how to add a profile for it.
+    """
+    kind = _device_type(device_name)
+    if kind in ("CPU", "XLA_CPU"):
+        return get_profile(CPU_PROFILE_NAME, overrides)
+    if kind not in ("GPU", "XLA_GPU"):
+        raise ClusterError(f"device {device_name!r} has type {kind!r}; EPL "
+                           f"plans for CPU and GPU devices only")
+    model = _gpu_model(physical_description)
+    if model and _find_override(model, overrides):
+        return get_profile(model, overrides)
+    for pattern, profile in _GPU_PATTERNS:
+        if re.search(pattern, model.upper()):
+            return get_profile(profile, overrides)
+    raise ClusterError(
+        f"cannot tell which profile GPU {device_name!r} ({model!r}) has; "
+        f"known profiles: {known_profiles()}. To plan for it, "
+        f"{_how_to_add().replace('MyGPU', model or 'MyGPU')}")
+
+
+# --------------------------------------------------------------------------
+# Cluster strings.
+# --------------------------------------------------------------------------
+
+_CLUSTER_FORM = ("expected comma-separated tokens of the form "
+                 "[HOSTS x] [DEVICES_PER_HOST x] PROFILE, e.g. "
+                 "'2x8xV100-32GB,2x8xT4', '8xA100' or 'V100'")
+_TOKEN = re.compile(r"\s*(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?(.*?)\s*$")
+
+
+def _caret_error(spec: str, start: int, end: int, why: str) -> ClusterError:
+    """A ClusterError quoting `spec` with carets under spec[start:end]."""
+    marks = " " * start + "^" * max(end - start, 1)
+    return ClusterError(f"cannot parse cluster spec {spec!r}:\n  {spec}\n"
+                        f"  {marks}\n{why}\n{_CLUSTER_FORM}")
+
+
+def _parse_token(spec: str, start: int, token: str,
+                 overrides: Mapping | None) -> list[HostSpec]:
+    """HostSpecs of one token that starts at `start` in `spec`."""
+    stripped = token.strip()
+    if not stripped:
+        raise _caret_error(spec, start, start + len(token), "empty token")
+    first = start + token.index(stripped[0])
+    match = _TOKEN.fullmatch(token)
+    counts = [int(c) for c in match.group(1, 2) if c is not None]
+    name, name_at = match.group(3), start + match.start(3)
+    if not name or name.isdigit() or re.match(r"\d+\s*[xX*]", name):
+        raise _caret_error(spec, first, first + len(stripped),
+                           f"token {stripped!r} is not "
+                           f"[HOSTS x] [DEVICES_PER_HOST x] PROFILE")
+    if any(c < 1 for c in counts):
+        raise _caret_error(spec, first, name_at,
+                           f"counts must be at least 1 in {stripped!r}")
+    try:
+        profile = get_profile(name, overrides)
+    except ClusterError as err:
+        raise _caret_error(spec, name_at, name_at + len(name),
+                           str(err)) from None
+    hosts, devices = ([1, 1] + counts)[-2:]
+    return [HostSpec(profile, devices) for _ in range(hosts)]
+
+
+def parse_cluster(spec: str, overrides: Mapping[str, Any] | None = None
+                  ) -> list[HostSpec]:
+    """Read a cluster description into one HostSpec per host.
+
+    Args:
+        spec: comma-separated tokens "HxDxPROFILE" (H hosts with D devices
+            each), "DxPROFILE" (one host with D devices) or "PROFILE" (one
+            host with one device); "x", "X" or "*" separate the counts.
+            E.g. "2x8xV100-32GB,2x8xT4" is four hosts.
+        overrides: `cluster.device_profiles`, see `get_profile`.
+
+    Returns:
+        The hosts in the order given.
+
+    Raises:
+        ClusterError: a token does not parse or names an unknown profile;
+            the message quotes the spec with carets under the bad part.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ClusterError(f"empty cluster spec {spec!r}; {_CLUSTER_FORM}")
+    hosts: list[HostSpec] = []
+    start = 0
+    for token in spec.split(","):
+        hosts.extend(_parse_token(spec, start, token, overrides))
+        start += len(token) + 1
+    return hosts
+
+
+# --------------------------------------------------------------------------
+# Virtual CPU devices.
+# --------------------------------------------------------------------------
+
+def _cpu_share(n: int) -> DeviceProfile:
+    """The CPU profile split evenly among `n` virtual devices."""
+    cpu = cpu_profile()
+    if n == 1:
+        return cpu
+    return DeviceProfile(
+        name=f"{CPU_PROFILE_NAME}/{n}",
+        peak_flops={k: v / n for k, v in cpu.peak_flops.items()},
+        memory_bytes=cpu.memory_bytes / n,
+        memory_bandwidth=cpu.memory_bandwidth / n,
+        intra_node_bandwidth=cpu.intra_node_bandwidth,
+        inter_node_bandwidth=cpu.inter_node_bandwidth)
+
+
+def _device_override(index: int, overrides: Mapping | None):
+    """(key, spec) of the override for virtual device CPU:index, or None."""
+    for key, spec in (overrides or {}).items():
+        if isinstance(key, str) and _device_type(key) == "CPU" and \
+                re.search(rf":{index}\s*$", key):
+            return key, spec
+    return None
+
+
+def virtual_cpu_profiles(n: int, overrides: Mapping[str, Any] | None = None
+                         ) -> list[DeviceProfile]:
+    """Profiles of `n` virtual CPU devices (CPU:0 .. CPU:n-1).
+
+    Args:
+        n: the number of virtual CPU devices.
+        overrides: `cluster.device_profiles`; keys "CPU:i" (or
+            "/device:CPU:i") map virtual device i to a profile name
+            ("V100-32GB") or a field dict (with optional "base"; the result
+            is named "CPU:i").  Other keys define named profiles as in
+            `get_profile`.
+
+    Returns:
+        One profile per device.  A device without an entry gets the
+        configured "CPU" profile if there is one, otherwise the measured
+        CPU profile split evenly among the n devices (FLOP/s, memory and
+        memory bandwidth divided by n; named "CPU/n"), since virtual devices
+        share one host's cores and memory.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ClusterError(f"need at least one virtual CPU device, got {n!r}")
+    return [_virtual_cpu(i, n, overrides) for i in range(n)]
+
+
+def _virtual_cpu(index: int, n: int, overrides: Mapping | None
+                 ) -> DeviceProfile:
+    """The profile of virtual device CPU:index among `n`."""
+    found = _device_override(index, overrides)
+    if found is None:
+        if _find_override(CPU_PROFILE_NAME, overrides):
+            return get_profile(CPU_PROFILE_NAME, overrides)
+        return _cpu_share(n)
+    key, spec = found
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if isinstance(spec, str):
+        return get_profile(spec, overrides)
+    base, fields = _spec_fields(key, spec)
+    start = get_profile(base, overrides) if base else _cpu_share(n)
+    return dataclasses.replace(start.with_overrides(**fields),
+                               name=f"CPU:{index}")

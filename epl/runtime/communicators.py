@@ -1,0 +1,107 @@
+"""Communicators: the collectives passes use, behind one interface.
+
+Passes never call TensorFlow collectives or Horovod directly: they ask a
+`Communicator` for an all-reduce among a group of tensors (one per device).
+`LocalCommunicator` implements it among the devices of one worker with
+TensorFlow's collective ops (CollectiveReduce; NCCL on GPU). Keys: every
+distinct device set gets a group key, every collective call a fresh instance
+key, both allocated per graph so that the same graph built twice gets the same
+keys (which is what makes collectives line up across processes).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops
+
+
+@dataclasses.dataclass
+class KeyAllocator:
+    """Deterministic group and instance keys for one graph."""
+
+    groups: dict = dataclasses.field(default_factory=dict)
+    next_instance: int = 1
+
+    def group_key(self, devices: tuple[str, ...]) -> int:
+        """The group key of a device set (stable for the same set)."""
+        if devices not in self.groups:
+            self.groups[devices] = len(self.groups) + 1
+        return self.groups[devices]
+
+    def instance_key(self) -> int:
+        """A fresh instance key."""
+        key = self.next_instance
+        self.next_instance += 1
+        return key
+
+
+class Communicator(abc.ABC):
+    """Collectives over a group of tensors, one per participating device."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensors: list[tf.Tensor], devices: list[str], op: str = "sum") -> list[tf.Tensor]:
+        """Reduce `tensors` (one per device, same shape) and return the result on each device.
+
+        op: "sum" or "mean".
+        """
+
+    @abc.abstractmethod
+    def all_gather(self, tensors: list[tf.Tensor], devices: list[str]) -> list[tf.Tensor]:
+        """Concatenate `tensors` along axis 0 and return the whole on each device."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: tf.Tensor, devices: list[str]) -> list[tf.Tensor]:
+        """Copy `tensor` (held by devices[0]) to every device."""
+
+
+class LocalCommunicator(Communicator):
+    """Collectives among this worker's devices with TensorFlow collective ops."""
+
+    def __init__(self, keys: KeyAllocator | None = None, timeout_s: float = 0.0):
+        self.keys = keys or KeyAllocator()
+        self.timeout_s = timeout_s
+
+    def all_reduce(self, tensors, devices, op="sum"):
+        if len(tensors) == 1:
+            return list(tensors)
+        final_op = {"sum": "Id", "mean": "Div"}[op]
+        group_key = self.keys.group_key(tuple(devices))
+        instance_key = self.keys.instance_key()
+        outputs = []
+        for tensor, device in zip(tensors, devices):
+            with tf.device(device):
+                outputs.append(collective_ops.all_reduce(
+                    tensor, len(devices), group_key, instance_key, "Add", final_op,
+                    timeout=self.timeout_s))
+        return outputs
+
+    def all_gather(self, tensors, devices):
+        if len(tensors) == 1:
+            return list(tensors)
+        group_key = self.keys.group_key(tuple(devices))
+        instance_key = self.keys.instance_key()
+        outputs = []
+        for tensor, device in zip(tensors, devices):
+            with tf.device(device):
+                outputs.append(collective_ops.all_gather(
+                    tensor, len(devices), group_key, instance_key, timeout=self.timeout_s))
+        return outputs
+
+    def broadcast(self, tensor, devices):
+        if len(devices) == 1:
+            return [tensor]
+        group_key = self.keys.group_key(tuple(devices))
+        instance_key = self.keys.instance_key()
+        outputs = []
+        with tf.device(devices[0]):
+            outputs.append(collective_ops.broadcast_send(
+                tensor, tensor.shape, tensor.dtype, len(devices), group_key, instance_key,
+                timeout=self.timeout_s))
+        for device in devices[1:]:
+            with tf.device(device):
+                outputs.append(collective_ops.broadcast_recv(
+                    tensor.shape, tensor.dtype, len(devices), group_key, instance_key,
+                    timeout=self.timeout_s))
+        return outputs

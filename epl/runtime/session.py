@@ -1,0 +1,135 @@
+"""Session integration: the hooks that make a plain training script parallel.
+
+- `tf.compat.v1.Session(...)` (and every session built on BaseSession, which
+  includes MonitoredTrainingSession's) parallelizes its graph on creation if
+  EPL annotated it, and gets the config that creates the worker's devices.
+- `Scaffold.finalize` (MonitoredTrainingSession) parallelizes before the graph
+  is finalized, so the scaffold's init op and saver see the parallel graph.
+- `Session.run` returns merged values for merged tensors (the loss is the mean
+  over the global batch), and after a run that wrote an original variable
+  (initialization, restore, an assign) copies it into the replicas' mirrors.
+"""
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+from tensorflow.python.client import session as session_lib
+
+from epl.ir.graph_view import ancestors
+from epl.ir.taskgraph import graph_state
+from epl.parallel import ParallelGraph, needs_parallelize, parallelize
+
+# Op types that read a variable without changing it.
+READ_ONLY_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
+                             "Identity", "VariableShape", "ResourceGather", "ResourceGatherNd",
+                             "DestroyResourceOp", "SaveV2", "Save", "SaveSlices"})
+_ORIGINAL = {}
+
+
+def parallel_graph(graph: tf.Graph) -> ParallelGraph | None:
+    """The ParallelGraph of `graph`, or None if it was not parallelized."""
+    state = graph_state(graph, create=False)
+    return state.result if state is not None and state.parallelized else None
+
+
+def _session_init(self, target="", graph=None, config=None):
+    graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
+    if needs_parallelize(graph_):
+        parallelize(graph_)
+    result = parallel_graph(graph_)
+    if result is not None:
+        config = result.session_config(config)
+    _ORIGINAL["init"](self, target, graph, config)
+
+
+def _scaffold_finalize(self):
+    graph = tf.compat.v1.get_default_graph()
+    if needs_parallelize(graph):
+        parallelize(graph)
+    return _ORIGINAL["finalize"](self)
+
+
+class _RunPlan:
+    """Per fetch set: the remapped fetches and the sync ops to run afterwards."""
+
+    def __init__(self, result: ParallelGraph, fetches):
+        self.fetches = _remap(result, fetches)
+        targets = [_as_op(result.graph, f) for f in tf.nest.flatten(self.fetches)]
+        written = _written_variables(result, [t for t in targets if t is not None])
+        self.sync = [result.sync_ops[v] for v in written if v in result.sync_ops]
+
+
+def _as_op(graph, fetch):
+    try:
+        element = graph.as_graph_element(fetch)
+    except (TypeError, ValueError, KeyError):
+        return None
+    return element if isinstance(element, tf.Operation) else element.op
+
+
+def _remap(result: ParallelGraph, fetches):
+    def one(fetch):
+        if isinstance(fetch, str):
+            try:
+                element = result.graph.as_graph_element(fetch)
+            except (TypeError, ValueError, KeyError):
+                return fetch
+            return result.fetch_map.get(element, fetch)
+        if isinstance(fetch, tf.Tensor):
+            return result.fetch_map.get(fetch, fetch)
+        return fetch
+    return tf.nest.map_structure(one, fetches)
+
+
+def _written_variables(result: ParallelGraph, targets) -> list:
+    """Original mirrored variables that ops outside the training step write."""
+    originals = {var.outputs[0]: var for var in result.sync_ops}
+    if not originals:
+        return []
+    written = []
+    for op in ancestors(targets):
+        if op.type in READ_ONLY_TYPES or op in result.view.step_ops:
+            continue
+        for tensor in op.inputs:
+            var = originals.get(tensor)
+            if var is not None and var not in written:
+                written.append(var)
+    return sorted(written, key=lambda v: v._id)
+
+
+def _fetch_key(fetches):
+    try:
+        flat = tf.nest.flatten(fetches)
+        return tuple(f if isinstance(f, str) else id(f) for f in flat), str(tf.nest.map_structure(lambda _: 0, fetches))
+    except Exception:  # unhashable structure: do not cache
+        return None
+
+
+def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    result = parallel_graph(self.graph)
+    if result is None:
+        return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
+    cache = self.__dict__.setdefault("_epl_run_plans", {})
+    key = (_fetch_key(fetches), len(result.graph.get_operations()))
+    plan = cache.get(key) if key[0] is not None else None
+    if plan is None:
+        plan = _RunPlan(result, fetches)
+        if key[0] is not None:
+            cache[key] = plan
+    values = _ORIGINAL["run"](self, plan.fetches, feed_dict, options, run_metadata)
+    if plan.sync:
+        _ORIGINAL["run"](self, plan.sync)
+    return values
+
+
+def install() -> None:
+    """Wrap BaseSession.__init__/run and Scaffold.finalize (idempotent)."""
+    if _ORIGINAL:
+        return
+    base = session_lib.BaseSession
+    scaffold = tf.compat.v1.train.Scaffold
+    _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize)
+    base.__init__ = functools.wraps(_ORIGINAL["init"])(_session_init)
+    base.run = functools.wraps(_ORIGINAL["run"])(_session_run)
+    scaffold.finalize = functools.wraps(_ORIGINAL["finalize"])(_scaffold_finalize)

@@ -1,0 +1,113 @@
+"""Strategy scopes: `epl.replicate`, `epl.split`, `epl.set_default_strategy`.
+
+Entering a scope registers a TaskGraph on the default graph and tags every op
+created inside it with the node attribute `_epl_taskgraph` (through the graph's
+attribute scope, never through op names). Scopes do not nest.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import tensorflow as tf
+
+from epl.errors import ScopeError
+from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
+from epl.ir.taskgraph import graph_state
+
+_AUTO_NAMES = itertools.count()
+EAGER_HINT = ("EPL rewrites TensorFlow graphs: call tf.compat.v1.disable_eager_execution() at the "
+              "start of the script, or build the model inside `with tf.Graph().as_default():`.")
+
+
+def check_graph_mode(what: str) -> None:
+    """Raise ScopeError when TensorFlow is executing eagerly."""
+    if tf.executing_eagerly():
+        raise ScopeError(f"{what} was used in eager mode. {EAGER_HINT}")
+
+
+def taskgraph_attr(name: str) -> tf.compat.v1.AttrValue:
+    """The AttrValue that tags an op with TaskGraph `name`."""
+    return tf.compat.v1.AttrValue(s=name.encode())
+
+
+class Strategy:
+    """A strategy scope. Use it with `with`, or pass it to set_default_strategy."""
+
+    def __init__(self, kind: StrategyKind, device_count: int, name: str | None):
+        if not isinstance(device_count, int) or isinstance(device_count, bool) or device_count < 1:
+            raise ScopeError(
+                f"epl.{kind.value}(device_count={device_count!r}): device_count must be a "
+                "positive integer (the number of devices one replica of this part spans).")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ScopeError(f"epl.{kind.value}(name={name!r}): name must be a non-empty string.")
+        self.spec = StrategySpec(kind, device_count,
+                                 name or f"{kind.value}_{next(_AUTO_NAMES)}")
+        self._stack = None
+
+    def __enter__(self) -> "Strategy":
+        check_graph_mode(self.spec.describe())
+        graph = tf.compat.v1.get_default_graph()
+        state = graph_state(graph)
+        if state.scope_stack:
+            outer = state.scope_stack[-1]
+            raise ScopeError(
+                f"{self.spec.describe()} was opened inside {outer.describe()}; strategy scopes "
+                "cannot be nested. Close the outer scope first and put the two parts in "
+                "consecutive scopes (e.g. the body under epl.replicate, then the classifier "
+                "under epl.split).")
+        _register(state, self.spec)
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(graph._attr_scope({TASKGRAPH_ATTR: taskgraph_attr(self.spec.name)}))
+        state.scope_stack.append(self.spec)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        state = graph_state(tf.compat.v1.get_default_graph())
+        state.scope_stack.pop()
+        self._stack.close()
+        self._stack = None
+
+
+def _register(state, spec: StrategySpec) -> None:
+    existing = state.taskgraph(spec.name)
+    if existing is not None and existing.spec != spec:
+        raise ScopeError(
+            f"{spec.describe()} reuses the name of {existing.spec.describe()}; a TaskGraph name "
+            "can be reused only with the same strategy. Pick a different name.")
+    state.add_taskgraph(spec)
+
+
+def replicate(device_count: int = 1, name: str | None = None) -> Strategy:
+    """Data parallelism: ops inside are replicated; each replica spans `device_count` devices."""
+    return Strategy(StrategyKind.REPLICATE, device_count, name)
+
+
+def split(device_count: int = 1, name: str | None = None) -> Strategy:
+    """Tensor/expert parallelism: what is inside is split over `device_count` devices."""
+    return Strategy(StrategyKind.SPLIT, device_count, name)
+
+
+def set_default_strategy(strategy: Strategy | None) -> None:
+    """Tag every op created from now on (outside explicit scopes) with `strategy`.
+
+    Calling it again switches the default (how EPL scripts mark pipeline stages
+    layer by layer); None clears it. Explicit scopes still take precedence.
+    """
+    check_graph_mode("epl.set_default_strategy")
+    graph = tf.compat.v1.get_default_graph()
+    state = graph_state(graph)
+    if state.default_scope_exit is not None:
+        state.default_scope_exit.close()
+        state.default_scope_exit = None
+    state.default_spec = None
+    if strategy is None:
+        return
+    if not isinstance(strategy, Strategy):
+        raise ScopeError("epl.set_default_strategy expects epl.replicate(...) or epl.split(...), "
+                         f"got {type(strategy).__name__}")
+    _register(state, strategy.spec)
+    stack = contextlib.ExitStack()
+    stack.enter_context(graph._attr_scope({TASKGRAPH_ATTR: taskgraph_attr(strategy.spec.name)}))
+    state.default_scope_exit = stack
+    state.default_spec = strategy.spec

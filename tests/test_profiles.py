@@ -1,0 +1,313 @@
+"""Tests of epl.profiles: the device table, overrides, detection, clusters."""
+
+import os
+
+import pytest
+
+from epl import profiles
+from epl.errors import ClusterError, ConfigError
+from epl.profiles import (DeviceProfile, HostSpec, detect_profile,
+                          get_profile, parse_cluster, virtual_cpu_profiles)
+
+GiB = 2**30
+TERA = 1e12
+
+#: A complete "CPU" profile: configuring it skips the CPU micro-benchmark.
+FIXED_CPU = {"CPU": {"peak_flops": {"float32": 1e11}, "memory_bytes": 8 * GiB,
+                     "memory_bandwidth": 2e10, "intra_node_bandwidth": 2e10,
+                     "inter_node_bandwidth": 1.25e9}}
+
+
+@pytest.mark.parametrize("name, fp32, fp16, memory, bandwidth", [
+    ("P100-16GB", 9.3, 18.7, 16, 732e9),
+    ("V100-16GB", 15.7, 125, 16, 900e9),
+    ("V100-32GB", 15.7, 125, 32, 900e9),
+    ("T4", 8.1, 65, 16, 320e9),
+    ("A10", 31.2, 125, 24, 600e9),
+    ("A100-40GB", 19.5, 312, 40, 1555e9),
+    ("A100-80GB", 19.5, 312, 80, 2039e9),
+    ("H100-80GB", 67, 989.5, 80, 3.35e12),
+    ("H200-141GB", 67, 989.5, 141, 4.8e12),
+])
+def test_table_values_are_the_datasheet_figures(name, fp32, fp16, memory,
+                                                bandwidth):
+    profile = get_profile(name)
+    assert profile.name == name
+    assert profile.flops("float32") == pytest.approx(fp32 * TERA)
+    assert profile.flops("float16") == pytest.approx(fp16 * TERA)
+    assert profile.memory_bytes == memory * GiB
+    assert profile.memory_bandwidth == pytest.approx(bandwidth)
+    assert profile.inter_node_bandwidth == pytest.approx(12.5e9)
+    assert set(profiles.STANDARD_DTYPES) <= set(profile.peak_flops)
+
+
+def test_links_nvlink_and_pcie_per_direction():
+    assert get_profile("V100-32GB").intra_node_bandwidth == 150e9
+    assert get_profile("A100-40GB").intra_node_bandwidth == 300e9
+    assert get_profile("H100-80GB").intra_node_bandwidth == 450e9
+    assert get_profile("T4").intra_node_bandwidth == 16e9
+    assert get_profile("A10").intra_node_bandwidth == 32e9
+
+
+def test_bfloat16_without_hardware_runs_at_float32_rate():
+    v100 = get_profile("V100-16GB")
+    assert v100.flops("bfloat16") == v100.flops("float32")
+    assert get_profile("A100-40GB").flops("bf16") == pytest.approx(312e12)
+    assert get_profile("A100-40GB").flops("tf32") == pytest.approx(156e12)
+
+
+@pytest.mark.parametrize("alias, name", [
+    ("V100", "V100-16GB"), ("v100", "V100-16GB"), ("A100", "A100-40GB"),
+    ("H100", "H100-80GB"), ("h200", "H200-141GB"), ("P100", "P100-16GB"),
+    ("v100-32gb", "V100-32GB"), ("V100_32GB", "V100-32GB"),
+    ("V100 32G", "V100-32GB"), ("a100-80gb", "A100-80GB"), ("t4", "T4"),
+])
+def test_aliases_and_case(alias, name):
+    assert get_profile(alias).name == name
+
+
+def test_flops_dtype_names_and_tf_dtypes():
+    import tensorflow as tf
+    t4 = get_profile("T4")
+    assert t4.flops(tf.float16) == t4.flops("fp16") == t4.flops("half")
+    with pytest.raises(ConfigError, match="no peak FLOP/s for dtype 'int8'"):
+        t4.flops("int8")
+
+
+def test_profiles_are_hashable_and_compare_by_value():
+    a = get_profile("T4")
+    b = get_profile("T4").with_overrides()
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, get_profile("A10")}) == 2
+
+
+def test_unknown_name_error_lists_profiles_and_how_to_add():
+    with pytest.raises(ClusterError) as info:
+        get_profile("K80")
+    text = str(info.value)
+    assert text.startswith("unknown device profile 'K80'. Known profiles: ")
+    for name in ("P100-16GB", "V100-32GB", "H200-141GB", "CPU"):
+        assert name in text
+    assert "cluster.device_profiles" in text
+    assert "{'MyGPU': {'base': 'A100-40GB'" in text
+
+
+def test_override_new_profile_from_base():
+    overrides = {"MyGPU": {"base": "A100-40GB", "memory_bytes": "24GiB",
+                           "inter_node_bandwidth": "200Gb/s"}}
+    profile = get_profile("mygpu", overrides)
+    assert profile.name == "MyGPU"
+    assert profile.memory_bytes == 24 * GiB
+    assert profile.inter_node_bandwidth == 25e9
+    assert profile.peak_flops == get_profile("A100-40GB").peak_flops
+
+
+def test_override_existing_profile_changes_only_given_fields():
+    overrides = {"V100-32GB": {"inter_node_bandwidth": 25e9,
+                               "peak_flops": {"fp16": "100TFLOPS"}}}
+    profile = get_profile("v100-32gb", overrides)
+    assert profile.inter_node_bandwidth == 25e9
+    assert profile.flops("float16") == 100e12
+    assert profile.flops("float32") == 15.7e12
+    assert profile.memory_bytes == 32 * GiB
+
+
+def test_override_full_profile_and_string_alias():
+    fields = {"peak_flops": 1e13, "memory_bytes": 1e10,
+              "memory_bandwidth": "500 GB/s", "intra_node_bandwidth": 1e10,
+              "inter_node_bandwidth": 1e9}
+    overrides = {"Mine": fields, "Big": "mine"}
+    mine = get_profile("Mine", overrides)
+    assert mine.peak_flops == {d: 1e13 for d in profiles.STANDARD_DTYPES}
+    assert mine.memory_bandwidth == 500e9
+    assert get_profile("Big", overrides).memory_bytes == 1e10
+    assert get_profile("Big", overrides).name == "Big"
+
+
+def test_override_unknown_field_lists_valid_fields():
+    with pytest.raises(ConfigError) as info:
+        get_profile("X", {"X": {"base": "T4", "memory": 3}})
+    assert str(info.value) == (
+        "cluster.device_profiles['X']: unknown device profile field(s) "
+        "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
+        "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth'] "
+        "(and 'base' in cluster.device_profiles, naming a profile to start "
+        "from)")
+
+
+def test_override_new_profile_needs_all_fields_or_a_base():
+    with pytest.raises(ConfigError, match=r"lacks field\(s\) \['intra_node"):
+        get_profile("X", {"X": {"peak_flops": 1e12, "memory_bytes": 1e9,
+                                "memory_bandwidth": 1e11}})
+
+
+def test_override_bad_values_and_cycles():
+    with pytest.raises(ConfigError, match="cannot read '3 parsecs'"):
+        get_profile("X", {"X": {"base": "T4", "memory_bytes": "3 parsecs"}})
+    with pytest.raises(ConfigError, match="expected a positive number"):
+        get_profile("X", {"X": {"base": "T4", "memory_bytes": -1}})
+    with pytest.raises(ConfigError, match="cycle: A -> B -> A"):
+        get_profile("A", {"A": {"base": "B"}, "B": {"base": "A"}})
+    with pytest.raises(ClusterError, match="unknown device profile 'Nope'"):
+        get_profile("X", {"X": {"base": "Nope"}})
+
+
+def test_with_overrides():
+    t4 = get_profile("T4")
+    changed = t4.with_overrides(name="T4-slow", memory_bandwidth="300GB/s",
+                                peak_flops={"float32": 4e12})
+    assert changed.name == "T4-slow"
+    assert changed.memory_bandwidth == 300e9
+    assert changed.flops("float32") == 4e12
+    assert changed.flops("float16") == t4.flops("float16")
+    assert t4.flops("float32") == 8.1e12  # the original is unchanged
+    with pytest.raises(ConfigError, match="unknown device profile field"):
+        t4.with_overrides(bandwidth=1)
+
+
+def test_parse_quantity_units():
+    parse = profiles.parse_quantity
+    assert parse("16GiB", "bytes", "x") == 16 * GiB
+    assert parse("16 GB", "bytes", "x") == 16e9
+    assert parse("900GB/s", "rate", "x") == 900e9
+    assert parse("100Gb/s", "rate", "x") == 12.5e9
+    assert parse("100Gbps", "rate", "x") == 12.5e9
+    assert parse("15.7TFLOPS", "flops", "x") == pytest.approx(15.7e12)
+    assert parse("1.5e10", "bytes", "x") == 1.5e10
+
+
+def test_parse_cluster_happy_paths():
+    hosts = parse_cluster("2x8xV100-32GB,2x8xT4")
+    assert [(h.profile.name, h.devices) for h in hosts] == [
+        ("V100-32GB", 8), ("V100-32GB", 8), ("T4", 8), ("T4", 8)]
+    assert parse_cluster("8xA100") == [HostSpec(get_profile("A100-40GB"), 8)]
+    assert parse_cluster("V100") == [HostSpec(get_profile("V100-16GB"), 1)]
+    assert parse_cluster(" 1 x 4 x a10 , 2*T4") == [
+        HostSpec(get_profile("A10"), 4), HostSpec(get_profile("T4"), 2)]
+
+
+def test_parse_cluster_uses_overrides():
+    overrides = {"MyGPU": {"base": "T4", "memory_bytes": 1e9}}
+    (host,) = parse_cluster("4xMyGPU", overrides)
+    assert host.profile.name == "MyGPU" and host.devices == 4
+
+
+FORM = ("expected comma-separated tokens of the form [HOSTS x] "
+        "[DEVICES_PER_HOST x] PROFILE, e.g. '2x8xV100-32GB,2x8xT4', "
+        "'8xA100' or 'V100'")
+
+
+def test_parse_cluster_bad_token_caret():
+    with pytest.raises(ClusterError) as info:
+        parse_cluster("2x8xV100-32GB,2x8xV1OO")
+    lines = str(info.value).split("\n")
+    assert lines[:3] == [
+        "cannot parse cluster spec '2x8xV100-32GB,2x8xV1OO':",
+        "  2x8xV100-32GB,2x8xV1OO",
+        "                    ^^^^"]
+    assert lines[3].startswith("unknown device profile 'V1OO'. Known")
+    assert lines[4] == FORM
+
+
+@pytest.mark.parametrize("spec, carets, why", [
+    ("2x0xT4", "  ^^^^", "counts must be at least 1 in '2x0xT4'"),
+    ("T4,2x8x", "     ^^^^",
+     "token '2x8x' is not [HOSTS x] [DEVICES_PER_HOST x] PROFILE"),
+    ("1x2x3xT4", "  ^^^^^^^^",
+     "token '1x2x3xT4' is not [HOSTS x] [DEVICES_PER_HOST x] PROFILE"),
+    ("T4,,T4", "     ^", "empty token"),
+])
+def test_parse_cluster_bad_tokens_exact_message(spec, carets, why):
+    with pytest.raises(ClusterError) as info:
+        parse_cluster(spec)
+    assert str(info.value) == (f"cannot parse cluster spec {spec!r}:\n"
+                               f"  {spec}\n{carets}\n{why}\n{FORM}")
+
+
+def test_parse_cluster_empty():
+    with pytest.raises(ClusterError, match="empty cluster spec ''"):
+        parse_cluster("")
+
+
+def test_host_spec_needs_a_device():
+    with pytest.raises(ClusterError, match="at least one device"):
+        HostSpec(get_profile("T4"), 0)
+
+
+@pytest.mark.parametrize("description, name", [
+    ("device: 0, name: Tesla V100-SXM2-32GB, pci bus id: 0000:00:04.0, "
+     "compute capability: 7.0", "V100-32GB"),
+    ("device: 1, name: Tesla V100-SXM2-16GB, pci bus id: 0000:00:05.0",
+     "V100-16GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("device: 0, name: NVIDIA A100-SXM4-40GB, pci bus id: x", "A100-40GB"),
+    ("device: 0, name: Tesla T4, pci bus id: 0000:00:1e.0", "T4"),
+    ("device: 0, name: NVIDIA A10G, pci bus id: x", "A10"),
+    ("device: 0, name: NVIDIA H100 80GB HBM3, pci bus id: x", "H100-80GB"),
+    ("device: 0, name: NVIDIA H200, pci bus id: x", "H200-141GB"),
+    ("device: 0, name: Tesla P100-PCIE-16GB, pci bus id: x", "P100-16GB"),
+])
+def test_detect_gpu_profiles(description, name):
+    assert detect_profile("/device:GPU:0", description).name == name
+    full = "/job:worker/replica:0/task:1/device:GPU:3"
+    assert detect_profile(full, description).name == name
+
+
+def test_detect_cpu_and_overrides():
+    assert detect_profile("/device:CPU:0", "", FIXED_CPU).flops() == 1e11
+    gpu = {"NVIDIA GeForce RTX 4090": {"base": "A10", "memory_bytes": 1e9}}
+    profile = detect_profile(
+        "/device:GPU:0", "device: 0, name: NVIDIA GeForce RTX 4090, pci", gpu)
+    assert profile.name == "NVIDIA GeForce RTX 4090"
+    assert profile.memory_bytes == 1e9
+
+
+def test_detect_unknown_gpu_and_device_type():
+    with pytest.raises(ClusterError) as info:
+        detect_profile("/device:GPU:0", "device: 0, name: Tesla K80, pci x")
+    assert str(info.value).startswith(
+        "cannot tell which profile GPU '/device:GPU:0' ('Tesla K80') has")
+    assert "{'Tesla K80': {'base': 'A100-40GB'" in str(info.value)
+    with pytest.raises(ClusterError, match="has type 'TPU'"):
+        detect_profile("/device:TPU:0")
+
+
+def test_virtual_cpu_profiles_stand_for_a_mixed_cluster():
+    overrides = {"CPU:0": "V100-32GB", "CPU:1": "V100-32GB", "CPU:2": "T4",
+                 "/device:CPU:3": {"base": "T4", "memory_bytes": "8GiB"},
+                 **FIXED_CPU}
+    devices = virtual_cpu_profiles(5, overrides)
+    assert [d.name for d in devices] == [
+        "V100-32GB", "V100-32GB", "T4", "CPU:3", "CPU"]
+    assert devices[3].memory_bytes == 8 * GiB
+    assert devices[3].flops("float16") == 65e12
+    assert devices[4].flops() == 1e11
+
+
+def test_virtual_cpu_profiles_default_share_the_measured_cpu():
+    devices = virtual_cpu_profiles(2)
+    cpu = profiles.cpu_profile()
+    assert [d.name for d in devices] == ["CPU/2", "CPU/2"]
+    assert devices[0].flops() == pytest.approx(cpu.flops() / 2)
+    assert devices[0].memory_bytes == pytest.approx(cpu.memory_bytes / 2)
+    assert virtual_cpu_profiles(1) == [cpu]
+    with pytest.raises(ClusterError, match="at least one virtual CPU"):
+        virtual_cpu_profiles(0)
+
+
+def test_cpu_profile_is_measured_once():
+    cpu = profiles.cpu_profile()
+    assert cpu is profiles.cpu_profile()
+    assert get_profile("cpu") is cpu
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cpu.memory_bytes == ram
+    assert cpu.flops("float32") > 1e8  # at least 0.1 GFLOP/s
+    assert cpu.memory_bandwidth > 1e8
+    assert cpu.flops("float64") == cpu.flops("float32") / 2
+
+
+def test_device_profile_to_dict_round_trips_through_overrides():
+    a10 = get_profile("A10")
+    fields = {k: v for k, v in a10.to_dict().items() if k != "name"}
+    assert get_profile("Copy", {"Copy": fields}) == DeviceProfile(
+        **{**a10.to_dict(), "name": "Copy"})
