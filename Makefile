@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.epl-installed
-EXAMPLE ?= examples/mnist_mlp.py
+EXAMPLE ?= examples/train_mlp.py
 
 .PHONY: setup run test bench clean
 

@@ -49,6 +49,13 @@ class GraphPass(abc.ABC):
     name: str = ""
     requires: tuple[str, ...] = ()
 
+    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+        """Raise an EPLError if this pass cannot run on `graph` (changes nothing).
+
+        The manager validates every pass before running any, so bad input is
+        reported before the graph is touched.
+        """
+
     @abc.abstractmethod
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         """Analyse, then rewrite `graph`; return what changed."""
@@ -137,7 +144,13 @@ class PassManager:
             seen.append(graph_pass.name)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassContext:
-        """Run every pass in order on `graph`; return the context (artifacts, timings)."""
+        """Validate every pass, then run them in order; return the context."""
+        for graph_pass in self.passes:
+            try:
+                graph_pass.validate(graph, ctx)
+            except EPLError as err:
+                raise PassError(f"pass {graph_pass.name!r} rejected the graph before any "
+                                f"rewrite: {err}") from err
         for instrument in self.instruments:
             instrument.before(None, graph, ctx)
         for graph_pass in self.passes:

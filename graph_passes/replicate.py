@@ -73,9 +73,12 @@ class ReplicatePass(GraphPass):
     name = "replicate"
     requires = ("annotate",)
 
+    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+        self._check_batch(ctx.view, ctx.plan)
+
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view, plan = ctx.view, ctx.plan
-        sizes = self._check_batch(view, plan)             # analysis: may raise
+        sizes = self._check_batch(view, plan)
         before = set(graph.get_operations())
         forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
         apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]

@@ -36,7 +36,11 @@ def parallel_graph(graph: tf.Graph) -> ParallelGraph | None:
 def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
     if needs_parallelize(graph_):
-        parallelize(graph_)
+        try:
+            parallelize(graph_)
+        except Exception:
+            self._session = None  # so BaseSession.__del__ of this half-built session is quiet
+            raise
     result = parallel_graph(graph_)
     if result is not None:
         config = result.session_config(config)
@@ -55,7 +59,7 @@ class _RunPlan:
 
     def __init__(self, result: ParallelGraph, fetches):
         self.fetches = _remap(result, fetches)
-        targets = [_as_op(result.graph, f) for f in tf.nest.flatten(self.fetches)]
+        targets = [_as_op(result.graph, f) for f in _leaves(self.fetches)]
         written = _written_variables(result, [t for t in targets if t is not None])
         self.sync = [result.sync_ops[v] for v in written if v in result.sync_ops]
 
@@ -79,7 +83,25 @@ def _remap(result: ParallelGraph, fetches):
         if isinstance(fetch, tf.Tensor):
             return result.fetch_map.get(fetch, fetch)
         return fetch
-    return tf.nest.map_structure(one, fetches)
+    return _map_fetches(one, fetches)
+
+
+def _map_fetches(fn, fetches):
+    """Apply `fn` to every leaf of a Session.run fetch structure (lists, tuples,
+    namedtuples, dicts with any keys), keeping the structure."""
+    if isinstance(fetches, dict):
+        return type(fetches)((k, _map_fetches(fn, v)) for k, v in fetches.items())
+    if isinstance(fetches, tuple) and hasattr(fetches, "_fields"):
+        return type(fetches)(*[_map_fetches(fn, v) for v in fetches])
+    if isinstance(fetches, (list, tuple)):
+        return type(fetches)(_map_fetches(fn, v) for v in fetches)
+    return fn(fetches)
+
+
+def _leaves(fetches) -> list:
+    leaves = []
+    _map_fetches(leaves.append, fetches)
+    return leaves
 
 
 def _written_variables(result: ParallelGraph, targets) -> list:
@@ -99,11 +121,10 @@ def _written_variables(result: ParallelGraph, targets) -> list:
 
 
 def _fetch_key(fetches):
-    try:
-        flat = tf.nest.flatten(fetches)
-        return tuple(f if isinstance(f, str) else id(f) for f in flat), str(tf.nest.map_structure(lambda _: 0, fetches))
-    except Exception:  # unhashable structure: do not cache
-        return None
+    """A cache key for a fetch structure: its shape and the identity of its leaves."""
+    leaves = _leaves(fetches)
+    shape = _map_fetches(lambda _: 0, fetches)
+    return tuple(f if isinstance(f, str) else id(f) for f in leaves), repr(shape)
 
 
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
