@@ -28,6 +28,12 @@ class Cluster:
     worker_rank: int = 0
     num_workers: int = 1
 
+    @staticmethod
+    def current() -> "Cluster":
+        """The Cluster of this worker under the active EPL config."""
+        from epl.env import get_config
+        return local_cluster(get_config())
+
     @property
     def local_devices(self) -> list[str]:
         """Device strings of the local devices, in order."""
@@ -60,12 +66,12 @@ def _gpu_count() -> int:
 
 
 def _horovod_rank_size() -> tuple[int, int]:
-    """Rank and size from the launcher's environment (horovodrun sets these)."""
-    rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
-    size = os.environ.get("HOROVOD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE"))
-    if rank is None or size is None:
+    """Rank and size when launched by horovodrun (or epl-launch), else (0, 1)."""
+    if os.environ.get("HOROVOD_RANK") is None and os.environ.get("OMPI_COMM_WORLD_RANK") is None:
         return 0, 1
-    return int(rank), int(size)
+    from epl.runtime.horovod_comm import horovod
+    hvd = horovod()
+    return hvd.rank(), hvd.size()
 
 
 def local_cluster(config) -> Cluster:

@@ -20,7 +20,7 @@ from epl.ir.graph_view import TrainingView, analyze
 from epl.ir.taskgraph import graph_state
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_plan
-from epl.runtime.communicators import LocalCommunicator
+from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
 from graph_passes.annotate import AnnotatePass
 from graph_passes.gradient_comm import GradientCommPass
@@ -52,6 +52,16 @@ class ParallelGraph:
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
         return self.cluster.session_config(base)
+
+
+def make_communicator(cluster: Cluster, config) -> HierarchicalCommunicator:
+    """Local collectives, plus Horovod when this worker is one of several."""
+    local = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")))
+    cross = None
+    if cluster.num_workers > 1:
+        from epl.runtime.horovod_comm import HorovodCommunicator
+        cross = HorovodCommunicator()
+    return HierarchicalCommunicator(local, cross)
 
 
 def needs_parallelize(graph: tf.Graph) -> bool:
@@ -94,7 +104,7 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
         instruments.append(DumpInstrument(config.get("debug.dump_dir")))
     if config.get("debug.check_invariants"):
         instruments.append(InvariantInstrument())
-    communicator = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")))
+    communicator = make_communicator(cluster, config)
     ctx = PassContext(config, plan, cluster, view, communicator)
     finalized = graph.finalized
     if finalized:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from epl.ir.annotations import PHASE_ATTR, Phase
+from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
+from epl.ir.graph_view import ancestors
 from epl.ir.clone import replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
@@ -24,6 +25,22 @@ from epl.pass_manager import GraphPass, PassContext, PassResult
 def _is_apply(op: tf.Operation) -> bool:
     attr = op.node_def.attr.get(PHASE_ATTR)
     return attr is not None and attr.s.decode() == Phase.APPLY.value
+
+
+def _tag_replicas(new_ops, grads, reduced) -> None:
+    """Give the ops built to reduce replica k's gradient replica k's `_epl_replica` attr.
+
+    The collectives (and the share scaling before them) belong to the replica
+    whose gradient they read; without the attr they would count as replica 0
+    in dumps and analyses.
+    """
+    new_ops = set(new_ops)
+    for grad, out in zip(grads, reduced):
+        attr = grad.op.node_def.attr.get(REPLICA_ATTR)
+        if attr is None:
+            continue
+        for op in ancestors([out.op]) & new_ops:
+            op._set_attr(REPLICA_ATTR, attr)
 
 
 class GradientCommPass(GraphPass):
@@ -35,13 +52,15 @@ class GradientCommPass(GraphPass):
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         replication = ctx.artifacts["replicate"]
         method = ctx.config.get("communication.gradients_reduce_method")
-        even = ctx.plan.even
+        even = ctx.plan.even and ctx.communicator.num_workers == 1
         before = set(graph.get_operations())
         reduced_of = {}
         for var, grads in reversed(replication.gradients):
             consumers = [[c for c in g.consumers() if _is_apply(c)] for g in grads]
             devices = [g.op.device for g in grads]
+            first = len(graph.get_operations())
             reduced = self._reduce(ctx.communicator, grads, devices, replication.weights, method, even)
+            _tag_replicas(graph.get_operations()[first:], grads, reduced)
             for grad, new, ops in zip(grads, reduced, consumers):
                 for op in ops:
                     replace_input(op, grad, new)
@@ -52,7 +71,7 @@ class GradientCommPass(GraphPass):
 
     @staticmethod
     def _reduce(communicator, grads, devices, weights, method, even):
-        if len(grads) == 1:
+        if len(grads) == 1 and communicator.num_workers == 1:
             return list(grads)
         if method == "sum":
             return communicator.all_reduce(grads, devices, op="sum")

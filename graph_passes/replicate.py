@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
-from epl.ir.graph_view import colocation_root
+from epl.ir.graph_view import colocation_root, descendants
 from epl.ir.clone import clone_op, clone_ops, replace_control_inputs, replace_input
 from epl.graph_keys import merge_requests
 from epl.pass_manager import GraphPass, PassContext, PassResult
@@ -79,16 +79,18 @@ class ReplicatePass(GraphPass):
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view, plan = ctx.view, ctx.plan
         sizes = self._check_batch(view, plan)
+        shape_consts = self._shape_constants(view)
         before = set(graph.get_operations())
         forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
         apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
         devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
         self._place(graph, view, plan)
         slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device)
+        weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
         mirrors = self._mirror_variables(view, plan)
         replica_maps, gradients = [], []
         for k in range(plan.num_replicas):
-            forward_map = self._copy_forward(view, plan, k, forward, slices, mirrors)
+            forward_map = self._copy_forward(view, plan, k, forward, slices, mirrors, shape_consts)
             gradients.append(self._regenerate_gradients(view, plan, k, forward_map, mirrors))
             replica_maps.append(forward_map)
         for k in range(1, plan.num_replicas):  # copy the originals before rewiring them
@@ -96,8 +98,8 @@ class ReplicatePass(GraphPass):
                                                     replica_maps[k], gradients[k]))
         self._rewire_replica0_apply(apply_ops, replica_maps[0], _gradient_map(view, gradients[0]))
         self._chain_train_ops(view, replica_maps)
-        merged = self._merge_fetches(graph, view, replica_maps, weights, devices)
-        sync_ops = self._sync_ops(mirrors)
+        merged = self._merge_fetches(graph, view, replica_maps, weights, devices, ctx.communicator)
+        sync_ops = self._sync_ops(mirrors, ctx.communicator)
         per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)])
                         for i, (_, var) in enumerate(view.gradients)]
         ctx.artifacts[self.name] = Replication(per_gradient, weights, merged, sync_ops, mirrors,
@@ -125,6 +127,43 @@ class ReplicatePass(GraphPass):
                 f"(per-replica sizes {sizes}). Use a global batch of at least "
                 f"{plan.num_replicas} examples.")
         return sizes
+
+    @staticmethod
+    def _shape_constants(view) -> dict:
+        """Forward constants holding the static shape of a batch-sized tensor -> that tensor.
+
+        TensorFlow folds tf.shape(t) into a Const when t's shape is fully
+        defined (library code does this too: softmax_cross_entropy_with_logits
+        reshapes its result to such a folded shape), which bakes the global
+        batch size into the graph. Each replica must use the shape of its own
+        slice instead. A constant matches t when it is an integer vector equal
+        to t's static shape, t's first dimension is the global batch and t is a
+        batch input or a forward op computed from one; t is the latest such
+        tensor created before the constant (tf.shape folds an existing tensor).
+        Read from values and shapes, never from names.
+        """
+        batch = view.global_batch_size
+        if batch is None:
+            return {}
+        forward = {op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD}
+        derived = descendants(view.batch_inputs, within=forward)
+        latest: dict = {}
+        for tensor in view.batch_inputs:
+            if tensor.shape.is_fully_defined():
+                latest.setdefault(tuple(tensor.shape.as_list()), tensor)
+        found = {}
+        for op in view.graph.get_operations():  # creation order
+            if op in forward and op.type == "Const" and op.outputs[0].dtype in (tf.int32, tf.int64) \
+                    and op.outputs[0].shape.rank == 1:
+                value = tuple(int(v) for v in tf.make_ndarray(op.get_attr("value")).reshape(-1))
+                if value and value[0] == batch and value in latest:
+                    found[op] = latest[value]
+            if op in derived:
+                for tensor in op.outputs:
+                    shape = tensor.shape
+                    if shape.rank and shape.is_fully_defined() and shape[0] == batch:
+                        latest[tuple(shape.as_list())] = tensor
+        return found
 
     # -- rewrite ------------------------------------------------------------
     @staticmethod
@@ -170,6 +209,21 @@ class ReplicatePass(GraphPass):
         return slices, weights
 
     @staticmethod
+    def _global_weights(view, weights, communicator, host) -> list:
+        """Shares of the global batch when several workers each slice their own batch.
+
+        The global batch is the concatenation of the workers' batches, which may
+        differ in size: each replica's share is its rows over the sum of every
+        worker's rows (one scalar all-reduce per step).
+        """
+        if communicator.num_workers == 1:
+            return weights
+        with tf.device(host), tf.name_scope("EPL_BATCH_SLICES"):
+            local = tf.cast(tf.shape(view.batch_inputs[0])[0], tf.float32)
+            share = local / communicator.sum_over_workers(local)
+            return [tf.cast(w, tf.float32) * share for w in weights]
+
+    @staticmethod
     def _mirror_variables(view, plan) -> dict:
         """original variable op -> [variable op per replica] (index 0: the original)."""
         mirrors = {}
@@ -185,13 +239,32 @@ class ReplicatePass(GraphPass):
         return mirrors
 
     @staticmethod
-    def _copy_forward(view, plan, k, forward, slices, mirrors) -> dict:
-        """Copy the forward ops for replica k, reading its slice and its variables."""
+    def _copy_forward(view, plan, k, forward, slices, mirrors, shape_consts) -> dict:
+        """Copy the forward ops for replica k, reading its slice and its variables.
+
+        A constant in `shape_consts` (a folded static shape of a batch-sized
+        tensor) becomes a Shape op of replica k's copy of that tensor.
+        """
         input_map = {t: parts[k] for t, parts in slices.items()}
         input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
-        return clone_ops(forward, REPLICA_PREFIX.format(k),
-                         lambda op: plan.device(view.taskgraph_of[op], k), input_map,
-                         _replica_attr(k))
+        prefix = REPLICA_PREFIX.format(k)
+        device_fn = lambda op: plan.device(view.taskgraph_of[op], k)  # noqa: E731
+        op_map: dict = {}
+        run: list = []  # consecutive ops cloned in one clone_ops call
+        for op in forward + [None]:
+            if op is not None and op not in shape_consts:
+                run.append(op)
+                continue
+            if run:
+                op_map.update(clone_ops(run, prefix, device_fn, input_map, _replica_attr(k),
+                                        known=op_map))
+                run = []
+            if op is not None:
+                source = shape_consts[op]
+                source = (input_map[source] if source in input_map
+                          else op_map[source.op].outputs[source.value_index])
+                op_map[op] = _shape_op(op, source, f"{prefix}/{op.name}", device_fn(op), k)
+        return op_map
 
     @staticmethod
     def _regenerate_gradients(view, plan, k, forward_map, mirrors) -> list:
@@ -259,7 +332,7 @@ class ReplicatePass(GraphPass):
                 train_op._add_control_inputs(copies)
 
     @staticmethod
-    def _merge_fetches(graph, view, replica_maps, weights, devices) -> dict:
+    def _merge_fetches(graph, view, replica_maps, weights, devices, communicator) -> dict:
         """Merged value of each loss and each tensor in an EPL merge collection."""
         requests = {loss: "mean" for loss in view.losses}
         requests.update({t: kind for t, kind in merge_requests(graph).items() if t not in requests})
@@ -269,23 +342,33 @@ class ReplicatePass(GraphPass):
                 continue
             parts = [m[tensor.op].outputs[tensor.value_index] for m in replica_maps]
             with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
-                merged[tensor] = _merge(parts, weights, kind)
+                merged[tensor] = _merge(parts, weights, kind, communicator)
             for consumer in list(tensor.consumers()):
                 if consumer not in devices and tensor.shape == merged[tensor].shape:
                     replace_input(consumer, tensor, merged[tensor])
         return merged
 
     @staticmethod
-    def _sync_ops(mirrors) -> dict:
-        """original variable op -> op copying its value into its mirrors."""
+    def _sync_ops(mirrors, communicator) -> dict:
+        """original variable op -> op copying its value into its mirrors.
+
+        With several workers the value is worker 0's (broadcast), written into
+        the original too, so workers that initialized with different random
+        seeds start identical.
+        """
         sync = {}
+        cross = communicator.cross
         with tf.name_scope("EPL_SYNC"):
             for var, copies in mirrors.items():
-                if len(copies) == 1:
+                if len(copies) == 1 and cross is None:
                     continue
                 with tf.device(var.device):
                     value = _read(var)
                 assigns = []
+                if cross is not None:
+                    with tf.device(var.device):
+                        value = cross.broadcast(value, 0)
+                        assigns.append(_assign(var, value))
                 for copy in copies[1:]:
                     with tf.device(copy.device):
                         assigns.append(_assign(copy, value))
@@ -321,12 +404,31 @@ def _tag_backward(ops, replica: int, fallback_device: str) -> None:
         op._set_device(source.device if source is not None and source.device else fallback_device)
 
 
-def _merge(parts: list[tf.Tensor], weights: list, kind: str) -> tf.Tensor:
+def _shape_op(const: tf.Operation, source: tf.Tensor, name: str, device: str,
+              replica: int) -> tf.Operation:
+    """A Shape op of `source` standing in for the folded shape constant `const`."""
+    dtype = const.outputs[0].dtype
+    attrs = {k: v for k, v in const.node_def.attr.items() if k in (TASKGRAPH_ATTR, PHASE_ATTR)}
+    attrs.update(_replica_attr(replica))
+    attrs["T"] = tf.compat.v1.AttrValue(type=source.dtype.as_datatype_enum)
+    attrs["out_type"] = tf.compat.v1.AttrValue(type=dtype.as_datatype_enum)
+    op = const.graph._create_op_internal("Shape", [source], [dtype], name=name, attrs=attrs,
+                                         compute_device=False)
+    op._set_device(device)
+    return op
+
+
+def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf.Tensor:
+    """Merge per-replica values; across workers too (every worker must fetch it)."""
+    cross = communicator.cross
     if kind == "concat":
-        return tf.concat(parts, axis=0)
+        local = tf.concat(parts, axis=0)
+        return cross.all_gather(local) if cross is not None else local
     if kind == "sum":
-        return tf.add_n(parts)
-    return tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
+        local = tf.add_n(parts)
+    else:  # weights are shares of the global batch, so the sum over workers is the mean
+        local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
+    return cross.all_reduce(local, "sum") if cross is not None else local
 
 
 def _read(var: tf.Operation) -> tf.Tensor:

@@ -1,5 +1,12 @@
 """Communicators: the collectives passes use, behind one interface.
 
+`HierarchicalCommunicator` is what passes get on every worker: among the
+worker's devices it uses `LocalCommunicator`; with several workers it reduces
+locally, all-reduces the local result across workers through Horovod
+(epl.runtime.horovod_comm), and lets every local device read the result
+(TensorFlow copies it to each device: the local broadcast).
+
+
 Passes never call TensorFlow collectives or Horovod directly: they ask a
 `Communicator` for an all-reduce among a group of tensors (one per device).
 `LocalCommunicator` implements it among the devices of one worker with
@@ -105,3 +112,46 @@ class LocalCommunicator(Communicator):
                     tensor.shape, tensor.dtype, len(devices), group_key, instance_key,
                     timeout=self.timeout_s))
         return outputs
+
+
+class HierarchicalCommunicator(Communicator):
+    """Local collectives, then Horovod across workers when there are several."""
+
+    def __init__(self, local: LocalCommunicator, cross=None):
+        self.local = local
+        self.cross = cross
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers take part."""
+        return self.cross.size if self.cross is not None else 1
+
+    def all_reduce(self, tensors, devices, op="sum"):
+        if self.cross is None:
+            return self.local.all_reduce(tensors, devices, op)
+        local = self.local.all_reduce(tensors, devices, "sum")
+        # Every member of a local collective must run, or the others wait forever:
+        # the cross-worker step reads device 0's result after all of them.
+        with tf.device(devices[0]), tf.control_dependencies(local[1:]):
+            total = self.cross.all_reduce(tf.identity(local[0]), "sum")
+            if op == "mean":
+                total = total / tf.cast(len(devices) * self.num_workers, total.dtype)
+        return [total] * len(devices)
+
+    def all_gather(self, tensors, devices):
+        local = self.local.all_gather(tensors, devices) if len(tensors) > 1 else list(tensors)
+        if self.cross is None:
+            return local
+        with tf.device(devices[0]), tf.control_dependencies(local[1:]):
+            total = self.cross.all_gather(tf.identity(local[0]))
+        return [total] * len(devices)
+
+    def broadcast(self, tensor, devices):
+        if self.cross is not None:
+            with tf.device(devices[0]):
+                tensor = self.cross.broadcast(tensor, 0)
+        return [tensor] * len(devices)
+
+    def sum_over_workers(self, tensor: tf.Tensor) -> tf.Tensor:
+        """Sum of a per-worker scalar over workers (itself with one worker)."""
+        return tensor if self.cross is None else self.cross.all_reduce(tensor, "sum")
