@@ -1,25 +1,45 @@
-"""Gradient communication: one reduction per trainable gradient.
+"""Gradient communication with fusion: one reduction per bucket of gradients.
 
-For every gradient the replicate pass produced (one copy per replica), the pass
-reduces the copies through the communicator and makes each replica's update
-ops read the reduced gradient. With the default `communication.
-gradients_reduce_method: mean` the reduced gradient is the batch-share-weighted
-sum (sum of share_k x gradient_k), which equals the single-device gradient of
-the mean loss over the whole global batch; with even shares this is a plain
-mean (the collective divides). With `sum`, the copies are summed.
+For every gradient the replicate pass produced (one copy per replica) the pass
+reduces the copies through the communicator (local collectives, then Horovod
+across workers) and makes each replica's update ops read the result.
 
-Fusion of small gradients into buckets is the fusion pass's job; this pass
-issues the reductions in reverse order of the forward pass (last layers
-first), the order in which backward produces them.
+Weighting. With the default `communication.gradients_reduce_method: mean` the
+reduced gradient is sum_k share_k x gradient_k (share = the replica's part of
+the global batch), which equals the single-device gradient of the mean loss
+over the whole global batch; with even shares on one worker it is a plain mean
+(the collective divides). With `sum` the copies are summed.
+
+Fusion. Dense gradients are grouped by dtype into buckets of at most
+`communication.fusion_threshold_mb` (Horovod's default fusion buffer, 128 MB)
+and, when `communication.max_splits` is set, into at most that many buckets.
+Buckets are filled and issued in reverse order of the forward pass (last layers
+first: the order backward produces them, so communication can overlap the rest
+of backward). Each bucket is flattened into one vector, reduced once, and split
+back into the gradients' shapes.
+
+`communication.fp16` sends float32 buckets as float16, multiplied by
+`communication.fp16_scale` before the cast and divided after, to keep small
+gradients out of float16's subnormal range.
+
+Sparse gradients (tf.IndexedSlices from embedding lookups) are gathered, not
+reduced: every replica gets the concatenation of all replicas' (weighted)
+values and indices; the optimizer's sparse update sums duplicate indices. With
+`communication.sparse_as_dense` they were made dense at gradient time and are
+fused like any other.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import tensorflow as tf
 
-from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
-from epl.ir.graph_view import ancestors
+from epl.ir.annotations import PHASE_ATTR, Phase
 from epl.ir.clone import replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
+
+MB = 1 << 20
 
 
 def _is_apply(op: tf.Operation) -> bool:
@@ -27,58 +47,153 @@ def _is_apply(op: tf.Operation) -> bool:
     return attr is not None and attr.s.decode() == Phase.APPLY.value
 
 
-def _tag_replicas(new_ops, grads, reduced) -> None:
-    """Give the ops built to reduce replica k's gradient replica k's `_epl_replica` attr.
+@dataclasses.dataclass
+class Bucket:
+    """Gradients reduced together: indices into the replication's gradient list."""
 
-    The collectives (and the share scaling before them) belong to the replica
-    whose gradient they read; without the attr they would count as replica 0
-    in dumps and analyses.
+    dtype: tf.DType
+    members: list[int]
+    nbytes: int
+
+
+def _nbytes(tensor: tf.Tensor) -> int:
+    shape = tensor.shape
+    elements = shape.num_elements() if shape.is_fully_defined() else 1
+    return elements * tensor.dtype.size
+
+
+def plan_buckets(grads: list, threshold_bytes: float, max_splits: int) -> list[Bucket]:
+    """Group dense gradients (replica 0's copies) into buckets, last layer first.
+
+    grads: one tensor per gradient in forward order. A gradient larger than the
+    threshold gets a bucket of its own. With max_splits > 0 the threshold is
+    raised until at most max_splits buckets per dtype remain.
     """
-    new_ops = set(new_ops)
-    for grad, out in zip(grads, reduced):
-        attr = grad.op.node_def.attr.get(REPLICA_ATTR)
-        if attr is None:
-            continue
-        for op in ancestors([out.op]) & new_ops:
-            op._set_attr(REPLICA_ATTR, attr)
+    order = list(reversed(range(len(grads))))
+    buckets: list[Bucket] = []
+    for dtype in sorted({grads[i].dtype for i in order}, key=lambda d: d.name):
+        members = [i for i in order if grads[i].dtype == dtype]
+        limit = threshold_bytes
+        if max_splits > 0:
+            total = sum(_nbytes(grads[i]) for i in members)
+            limit = max(limit, math.ceil(total / max_splits))
+        current: Bucket | None = None
+        for i in members:
+            size = _nbytes(grads[i])
+            if current is None or (current.nbytes + size > limit and current.members):
+                current = Bucket(dtype, [], 0)
+                buckets.append(current)
+            current.members.append(i)
+            current.nbytes += size
+        if max_splits > 0:
+            _merge_excess(buckets, dtype, max_splits)
+    buckets.sort(key=lambda b: -max(b.members))  # issue order: last layers first
+    return buckets
+
+
+def _merge_excess(buckets: list[Bucket], dtype, max_splits: int) -> None:
+    mine = [b for b in buckets if b.dtype == dtype]
+    while len(mine) > max_splits:
+        last = mine.pop()
+        mine[-1].members.extend(last.members)
+        mine[-1].nbytes += last.nbytes
+        buckets.remove(last)
 
 
 class GradientCommPass(GraphPass):
-    """All-reduces each gradient over the replicas and rewires the updates."""
+    """All-reduces the gradients over replicas (fused) and rewires the updates."""
 
     name = "gradient_comm"
     requires = ("replicate",)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         replication = ctx.artifacts["replicate"]
-        method = ctx.config.get("communication.gradients_reduce_method")
+        config = ctx.config
+        method = config.get("communication.gradients_reduce_method")
         even = ctx.plan.even and ctx.communicator.num_workers == 1
+        fp16_scale = float(config.get("communication.fp16_scale")) if config.get("communication.fp16") else None
         before = set(graph.get_operations())
-        reduced_of = {}
-        for var, grads in reversed(replication.gradients):
-            consumers = [[c for c in g.consumers() if _is_apply(c)] for g in grads]
-            devices = [g.op.device for g in grads]
-            first = len(graph.get_operations())
-            reduced = self._reduce(ctx.communicator, grads, devices, replication.weights, method, even)
-            _tag_replicas(graph.get_operations()[first:], grads, reduced)
-            for grad, new, ops in zip(grads, reduced, consumers):
-                for op in ops:
-                    replace_input(op, grad, new)
-            reduced_of[var.name] = [t.op.name for t in reduced]
+        per_gradient = replication.gradients
+        needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
+        reduced_of: dict[str, int] = {}
+        buckets: list[Bucket] = []
+        if needs_comm:
+            dense = [i for i, (_, grads, _) in enumerate(per_gradient) if not isinstance(grads[0], tf.IndexedSlices)]
+            buckets = plan_buckets([per_gradient[i][1][0] for i in dense],
+                                   float(config.get("communication.fusion_threshold_mb")) * MB,
+                                   int(config.get("communication.max_splits")))
+            for bucket in buckets:
+                members = [dense[i] for i in bucket.members]
+                self._reduce_bucket(ctx.communicator, per_gradient, members, replication.weights,
+                                    method, even, fp16_scale)
+                for i in members:
+                    reduced_of[per_gradient[i][0].name] = reduced_of.get(per_gradient[i][0].name, 0) + 1
+            for var, grads, original in per_gradient:
+                if isinstance(grads[0], tf.IndexedSlices):
+                    self._gather_sparse(ctx.communicator, grads, original, replication.weights, method)
+                    reduced_of[var.name] = reduced_of.get(var.name, 0) + 1
+        else:
+            reduced_of = {var.name: 1 for var, _, _ in per_gradient}
         ctx.artifacts[self.name] = reduced_of
         added = [op.name for op in graph.get_operations() if op not in before]
-        return PassResult(added=added, notes=[f"{len(reduced_of)} gradient reductions ({method})"])
+        return PassResult(added=added, notes=[
+            f"{len(per_gradient)} gradients in {len(buckets)} buckets ({method}"
+            f"{', fp16' if fp16_scale else ''})"])
 
     @staticmethod
-    def _reduce(communicator, grads, devices, weights, method, even):
-        if len(grads) == 1 and communicator.num_workers == 1:
-            return list(grads)
-        if method == "sum":
-            return communicator.all_reduce(grads, devices, op="sum")
-        if even:
-            return communicator.all_reduce(grads, devices, op="mean")
-        scaled = []
-        for grad, device, weight in zip(grads, devices, weights):
-            with tf.device(device):
-                scaled.append(grad * tf.cast(weight, grad.dtype))
-        return communicator.all_reduce(scaled, devices, op="sum")
+    def _reduce_bucket(communicator, per_gradient, members, weights, method, even, fp16_scale):
+        """Flatten, weight, reduce once, split back and rewire one bucket."""
+        replicas = len(per_gradient[members[0]][1])
+        grads_of = [[per_gradient[i][1][k] for i in members] for k in range(replicas)]
+        devices = [grads[0].op.device for grads in grads_of]
+        shapes = [tf.shape(g) for g in grads_of[0]]
+        sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else None for g in grads_of[0]]
+        flats = []
+        for k, grads in enumerate(grads_of):
+            with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):
+                flat = tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0) if len(grads) > 1 \
+                    else tf.reshape(grads[0], [-1])
+                if method != "sum" and not even:
+                    flat = flat * tf.cast(weights[k], flat.dtype)
+                if fp16_scale is not None and flat.dtype == tf.float32:
+                    flat = tf.cast(flat * fp16_scale, tf.float16)
+                flats.append(flat)
+        op = "mean" if (method != "sum" and even) else "sum"
+        reduced = communicator.all_reduce(flats, devices, op=op)
+        for k, grads in enumerate(grads_of):
+            with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):
+                flat = reduced[k]
+                if fp16_scale is not None and grads[0].dtype == tf.float32:
+                    flat = tf.cast(flat, tf.float32) / fp16_scale
+                if all(s is not None for s in sizes):
+                    parts = tf.split(flat, sizes) if len(grads) > 1 else [flat]
+                else:
+                    parts = tf.split(flat, [tf.reduce_prod(s) for s in shapes]) if len(grads) > 1 else [flat]
+                for grad, part, shape in zip(grads, parts, shapes):
+                    new = tf.reshape(part, shape) if not grad.shape.is_fully_defined() \
+                        else tf.reshape(part, grad.shape)
+                    for consumer in [c for c in grad.consumers() if _is_apply(c)]:
+                        replace_input(consumer, grad, new)
+
+    @staticmethod
+    def _gather_sparse(communicator, grads, original, weights, method):
+        """Every replica gets all replicas' (weighted) rows of a sparse gradient.
+
+        The update ops of every replica still read the original gradient's
+        values and indices (see the replicate pass); they now read the gathered ones.
+        """
+        values, indices = [], []
+        for k, grad in enumerate(grads):
+            with tf.device(grad.values.device):
+                scaled = grad.values if method == "sum" else grad.values * tf.cast(weights[k], grad.values.dtype)
+            values.append(scaled)
+            indices.append(grad.indices)
+        with tf.device(grads[0].values.device), tf.name_scope("EPL_SPARSE"):
+            all_values = tf.concat(values, axis=0)  # TensorFlow copies the other replicas' rows
+            all_indices = tf.concat(indices, axis=0)
+            if communicator.cross is not None:
+                all_values = communicator.cross.all_gather(all_values)
+                all_indices = communicator.cross.all_gather(all_indices)
+        for old, new in ((original.values, all_values), (original.indices, all_indices)):
+            for consumer in [c for c in old.consumers() if _is_apply(c)]:
+                replace_input(consumer, old, new)

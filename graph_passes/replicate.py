@@ -5,7 +5,9 @@ Given the plan's R replicas, the pass
   plan's per-replica shares (static split when the batch size is known,
   run-time boundaries round(B * cumulative share) otherwise);
 - copies the forward and backward ops once per replica, onto the replica's
-  devices, each copy reading its slice;
+  devices, each copy reading its slice; a constant that TensorFlow folded
+  from tf.shape of a static-shaped batch tensor (it holds the global batch
+  size) becomes, in each copy, a Shape op of the replica's own tensor;
 - mirrors every variable those ops read: replica 0 uses the original variable,
   replica k > 0 a copy on its device; one `sync` op copies the originals into
   the mirrors (the session runs it after initialization or restore), so the
@@ -46,7 +48,8 @@ REPLICA_PREFIX = "EPL_REPLICA_{}"
 class Replication:
     """What the replicate pass built, for the passes after it.
 
-    gradients: per trainable gradient, (variable op, [gradient tensor per replica]).
+    gradients: per trainable gradient, (variable op, [gradient per replica], the
+      original gradient).
     weights: per replica, its share of the global batch (float or scalar tensor).
     devices: per replica, the device its gradients live on (by variable op).
     merged: original tensor -> merged tensor (what a fetch of it returns).
@@ -100,8 +103,8 @@ class ReplicatePass(GraphPass):
         self._chain_train_ops(view, replica_maps)
         merged = self._merge_fetches(graph, view, replica_maps, weights, devices, ctx.communicator)
         sync_ops = self._sync_ops(mirrors, ctx.communicator)
-        per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)])
-                        for i, (_, var) in enumerate(view.gradients)]
+        per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)], grad)
+                        for i, (grad, var) in enumerate(view.gradients)]
         ctx.artifacts[self.name] = Replication(per_gradient, weights, merged, sync_ops, mirrors,
                                                replica_maps)
         added = [op.name for op in graph.get_operations() if op not in before]
@@ -378,17 +381,15 @@ class ReplicatePass(GraphPass):
 
 
 def _gradient_map(view, grads) -> dict:
-    """Original gradient tensors (all components) -> this replica's gradients."""
-    mapping = {}
-    for (orig, _), new in zip(view.gradients, grads):
-        if isinstance(orig, tf.IndexedSlices):
-            for a, b in ((orig.values, new.values), (orig.indices, new.indices)):
-                mapping[a] = b
-            if orig.dense_shape is not None and new.dense_shape is not None:
-                mapping[orig.dense_shape] = new.dense_shape
-        else:
-            mapping[orig] = new
-    return mapping
+    """Original dense gradient tensors -> this replica's gradients.
+
+    Sparse gradients (IndexedSlices) are not mapped: the update ops keep
+    reading the original's values and indices, whose static shapes are those
+    of the whole batch, until the gradient pass feeds them every replica's
+    gathered rows (which have that same shape).
+    """
+    return {orig: new for (orig, _), new in zip(view.gradients, grads)
+            if not isinstance(orig, tf.IndexedSlices)}
 
 
 def _tag_backward(ops, replica: int, fallback_device: str) -> None:

@@ -72,7 +72,7 @@ def check_one_reduction_per_gradient(ctx: PassContext) -> None:
     reduced = ctx.artifacts.get("gradient_comm")
     if replication is None or reduced is None:
         return
-    missing = [var for var, _ in replication.gradients if var.name not in reduced]
+    missing = [var for var, _, _ in replication.gradients if var.name not in reduced]
     if missing:
         _fail("gradients without a reduction", missing, "This is an EPL bug; please report it.")
 

@@ -265,12 +265,6 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     losses = [s.loss for s in steps]
     train_ops = [s.train_op for s in steps]
     gradients = [(g, v.op) for s in steps for g, v in s.grads_and_vars if g is not None]
-    for grad, var in gradients:
-        if isinstance(grad, tf.IndexedSlices):
-            raise ParallelizeError(
-                f"the gradient of {var.name} is sparse (tf.IndexedSlices, from an embedding "
-                "lookup); data parallelism on one worker reduces dense gradients. Set "
-                "communication.sparse_as_dense=True to reduce it as a dense tensor.")
     step_ops = ancestors(train_ops)
     loss_ancestors = ancestors([t.op for t in losses])
     batch_inputs, batch = find_batch_inputs(loss_ancestors)
