@@ -1,0 +1,290 @@
+"""Shared fixtures and model builders for the EPL tests.
+
+- `epl_env(config_dict)`: resets EPL and initializes it with `config_dict`
+  (an autouse fixture resets EPL after every test, so hooks are inert again).
+- `models`: tiny models with numpy-generated initial values, and `train()`,
+  which builds a model in its own `tf.Graph`, trains it for a few steps and
+  returns the fetched losses and the final variable values. With EPL reset it
+  is the single-device reference; after `epl_env(...)` it is the EPL run.
+
+Every graph is built inside `with tf.Graph().as_default():`; nothing here
+disables eager execution for the process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from epl import env
+
+BATCH = 8
+NUM_CLASSES = 4
+MLP_IN, MLP_HIDDEN = 6, 16
+SEQ, D_MODEL, HEADS, D_FF = 4, 8, 2, 16
+
+
+# --------------------------------------------------------------------------
+# EPL environment
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _reset_epl_after_test():
+    """Every test starts and ends with EPL un-initialized (hooks inert)."""
+    env.reset()
+    yield
+    env.reset()
+
+
+@pytest.fixture
+def epl_env():
+    """Return `init(config_dict=None)`: reset EPL, then epl.init with the dict."""
+    def init(config_dict: dict | None = None) -> epl.Config:
+        env.reset()
+        return epl.init(epl.Config(dict(config_dict or {})))
+    return init
+
+
+# --------------------------------------------------------------------------
+# Data and initial values (numpy, fixed seeds)
+# --------------------------------------------------------------------------
+
+
+def make_data(model: str, seed: int = 0, batch: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+    """(features, one-hot labels) of one global batch for `model`."""
+    rng = np.random.RandomState(100 + seed)
+    shape = [batch, MLP_IN] if model.startswith("mlp") else [batch, SEQ, D_MODEL]
+    features = rng.randn(*shape).astype(np.float32)
+    labels = np.eye(NUM_CLASSES, dtype=np.float32)[rng.randint(0, NUM_CLASSES, batch)]
+    return features, labels
+
+
+def make_params(model: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Initial values of every trainable variable of `model`, by variable name."""
+    rng = np.random.RandomState(seed)
+
+    def dense(n_in, n_out):
+        return (rng.randn(n_in, n_out) / np.sqrt(n_in)).astype(np.float32)
+
+    def bias(n):
+        return (0.1 * rng.randn(n)).astype(np.float32)
+
+    if model.startswith("mlp"):
+        return {"w1": dense(MLP_IN, MLP_HIDDEN), "b1": bias(MLP_HIDDEN),
+                "w2": dense(MLP_HIDDEN, MLP_HIDDEN), "b2": bias(MLP_HIDDEN),
+                "w3": dense(MLP_HIDDEN, NUM_CLASSES), "b3": bias(NUM_CLASSES)}
+    return {"wq": dense(D_MODEL, D_MODEL), "wk": dense(D_MODEL, D_MODEL),
+            "wv": dense(D_MODEL, D_MODEL), "wo": dense(D_MODEL, D_MODEL),
+            "ln1_gamma": (1 + bias(D_MODEL)).astype(np.float32), "ln1_beta": bias(D_MODEL),
+            "ff1": dense(D_MODEL, D_FF), "ff1_b": bias(D_FF),
+            "ff2": dense(D_FF, D_MODEL), "ff2_b": bias(D_MODEL),
+            "ln2_gamma": (1 + bias(D_MODEL)).astype(np.float32), "ln2_beta": bias(D_MODEL),
+            "head": dense(D_MODEL, NUM_CLASSES), "head_b": bias(NUM_CLASSES)}
+
+
+# --------------------------------------------------------------------------
+# Models (raw TF ops; the batch dimension is never baked into a constant)
+# --------------------------------------------------------------------------
+
+
+def _variables(params: dict, use_resource: bool = True) -> dict:
+    return {name: tf.compat.v1.get_variable(name, initializer=value, use_resource=use_resource)
+            for name, value in params.items()}
+
+
+def mlp_loss(features, labels, params, use_resource: bool = True):
+    """Two hidden ReLU layers and a softmax cross-entropy; returns the mean loss."""
+    v = _variables(params, use_resource)
+    h = tf.nn.relu(tf.matmul(features, v["w1"]) + v["b1"])
+    h = tf.nn.relu(tf.matmul(h, v["w2"]) + v["b2"])
+    logits = tf.matmul(h, v["w3"]) + v["b3"]
+    return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def mlp_folded_shapes_loss(features, labels, params, use_resource: bool = True):
+    """The MLP written with tf.shape of static-shaped batch tensors, which TensorFlow
+    folds into constants holding the global batch size (EPL must use each
+    replica's own shapes): a reshape to tf.shape(h), sparse softmax
+    cross-entropy, and a sum divided by tf.shape(features)[0]."""
+    v = _variables(params, use_resource)
+    h = tf.nn.relu(tf.matmul(features, v["w1"]) + v["b1"])
+    h = tf.reshape(tf.reshape(h, [-1]), tf.shape(h))
+    h = tf.nn.relu(tf.matmul(h, v["w2"]) + v["b2"])
+    logits = tf.matmul(h, v["w3"]) + v["b3"]
+    per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.argmax(labels, axis=1), logits=logits)
+    return tf.reduce_sum(per_example) / tf.cast(tf.shape(features)[0], tf.float32)
+
+
+def _layer_norm(x, gamma, beta):
+    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(variance + 1e-5) * gamma + beta
+
+
+def _dense_3d(x, w, b=None):
+    """[batch, seq, n_in] x [n_in, n_out] through a 2-D matmul (reshape with -1)."""
+    n_in, n_out = w.shape.as_list()
+    y = tf.matmul(tf.reshape(x, [-1, n_in]), w)
+    if b is not None:
+        y = y + b
+    return tf.reshape(y, [-1, SEQ, n_out])
+
+
+def transformer_loss(features, labels, params, use_resource: bool = True):
+    """One 2-head self-attention block + MLP (post layer norm), mean-pooled, classifier."""
+    v = _variables(params, use_resource)
+    head_dim = D_MODEL // HEADS
+
+    def heads(t):  # [B, T, D] -> [B, H, T, D/H]
+        return tf.transpose(tf.reshape(t, [-1, SEQ, HEADS, head_dim]), [0, 2, 1, 3])
+
+    q, k, val = (heads(_dense_3d(features, v[n])) for n in ("wq", "wk", "wv"))
+    scores = tf.matmul(q, k, transpose_b=True) / np.sqrt(head_dim).astype(np.float32)
+    attended = tf.matmul(tf.nn.softmax(scores, axis=-1), val)
+    attended = tf.reshape(tf.transpose(attended, [0, 2, 1, 3]), [-1, SEQ, D_MODEL])
+    x = _layer_norm(features + _dense_3d(attended, v["wo"]), v["ln1_gamma"], v["ln1_beta"])
+    ff = _dense_3d(tf.nn.relu(_dense_3d(x, v["ff1"], v["ff1_b"])), v["ff2"], v["ff2_b"])
+    x = _layer_norm(x + ff, v["ln2_gamma"], v["ln2_beta"])
+    logits = tf.matmul(tf.reduce_mean(x, axis=1), v["head"]) + v["head_b"]
+    return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+LOSSES = {"mlp": mlp_loss, "mlp_folded": mlp_folded_shapes_loss,
+          "transformer": transformer_loss}
+
+
+def make_optimizer(name: str):
+    """A fresh tf.compat.v1.train optimizer: "sgd" or "adam"."""
+    if name == "sgd":
+        return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    return tf.compat.v1.train.AdamOptimizer(0.01)
+
+
+# --------------------------------------------------------------------------
+# Building and training
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Built:
+    """Handles of a built training graph."""
+
+    graph: tf.Graph
+    loss: tf.Tensor
+    train_op: tf.Operation
+    global_step: tf.Variable
+    feed: dict
+    features: tf.Tensor | None = None
+    labels: tf.Tensor | None = None
+
+
+def build(model: str = "mlp", optimizer: str = "sgd", inputs: str = "placeholder",
+          seed: int = 0, loss_scale: float = 1.0, use_resource: bool = True,
+          scope: bool = True, batch: int = BATCH) -> Built:
+    """Build `model` in the current default graph and return its handles.
+
+    inputs: "placeholder" (static batch), "dynamic" (placeholder with a None
+    batch dimension), "dataset" (a one-shot iterator over a dataset repeating
+    the batch) or "constant" (tf.constant features and labels).
+    loss_scale: the optimizer minimizes loss * loss_scale (the fetched loss is unscaled).
+    scope: build the model under `epl.replicate(device_count=1)` (only when
+    EPL is initialized); otherwise EPL's implicit replicate applies.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    x_np, y_np = make_data(model, seed, batch)
+    feed = {}
+    if inputs in ("placeholder", "dynamic"):
+        lead = [None] if inputs == "dynamic" else [batch]
+        features = tf.compat.v1.placeholder(tf.float32, lead + list(x_np.shape[1:]), name="features")
+        labels = tf.compat.v1.placeholder(tf.float32, lead + [NUM_CLASSES], name="labels")
+        feed = {features: x_np, labels: y_np}
+    elif inputs == "dataset":
+        dataset = tf.data.Dataset.from_tensors((x_np, y_np)).repeat()
+        features, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+    elif inputs == "constant":
+        features, labels = tf.constant(x_np, name="features"), tf.constant(y_np, name="labels")
+    else:
+        raise ValueError(inputs)
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    if scope and env.is_initialized():
+        with epl.replicate(device_count=1, name="model"):
+            loss = LOSSES[model](features, labels, make_params(model, seed), use_resource)
+    else:
+        loss = LOSSES[model](features, labels, make_params(model, seed), use_resource)
+    objective = loss * loss_scale if loss_scale != 1.0 else loss
+    train_op = make_optimizer(optimizer).minimize(objective, global_step=global_step)
+    return Built(graph, loss, train_op, global_step, feed, features, labels)
+
+
+def variable_values(sess, graph: tf.Graph) -> dict[str, np.ndarray]:
+    """Values of every global variable of `graph`, by op name."""
+    variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+    return dict(zip([v.op.name for v in variables], sess.run(variables)))
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns."""
+
+    losses: list
+    variables: dict
+    global_step: int
+    graph: tf.Graph
+
+
+def train(steps: int = 5, replica_weights=None, **build_kwargs) -> TrainResult:
+    """Build (see `build`) in a fresh graph and train for `steps` steps.
+
+    With replica_weights, epl.parallelize(graph, replica_weights=...) runs
+    before the session is created.
+    """
+    with tf.Graph().as_default() as graph:
+        built = build(**build_kwargs)
+        if replica_weights is not None:
+            epl.parallelize(graph, replica_weights=replica_weights)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [sess.run([built.train_op, built.loss], built.feed)[1] for _ in range(steps)]
+            return TrainResult([float(l) for l in losses], variable_values(sess, graph),
+                               int(sess.run(built.global_step)), graph)
+
+
+def assert_same_training(result: TrainResult, reference: TrainResult,
+                         rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Same variables (names and values) and the same per-step losses."""
+    assert sorted(result.variables) == sorted(reference.variables)
+    for name, value in reference.variables.items():
+        np.testing.assert_allclose(result.variables[name], value, rtol=rtol, atol=atol,
+                                   err_msg=f"variable {name}")
+    np.testing.assert_allclose(result.losses, reference.losses, rtol=rtol, atol=atol,
+                               err_msg="per-step losses")
+
+
+@pytest.fixture(scope="session")
+def models():
+    """The builders above, for tests: models.build, models.train, models.assert_same_training, ..."""
+    return types.SimpleNamespace(
+        BATCH=BATCH, make_data=make_data, make_params=make_params, build=build, train=train,
+        variable_values=variable_values, assert_same_training=assert_same_training,
+        make_optimizer=make_optimizer, single_device=_single_device)
+
+
+_REFERENCE_CACHE: dict = {}
+
+
+def _single_device(**kwargs) -> TrainResult:
+    """The single-device reference run (EPL reset), cached per arguments.
+
+    EPL is left un-initialized afterwards; call epl_env(...) after this.
+    """
+    key = tuple(sorted(kwargs.items()))
+    if key not in _REFERENCE_CACHE:
+        env.reset()
+        _REFERENCE_CACHE[key] = train(**kwargs)
+    env.reset()
+    return _REFERENCE_CACHE[key]
