@@ -108,7 +108,7 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
     tagged input, or fall back to the first TaskGraph, phase "other" and the
     host device.
     """
-    from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
+    from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
     fallback_tg = ctx.view.taskgraphs[0].name.encode()
     for op in graph.get_operations()[first_new:]:
         if TASKGRAPH_ATTR in op.node_def.attr and op.device:
@@ -121,8 +121,6 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
                      source.node_def.attr else Phase.OTHER.value.encode())
             op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=tg))
             op._set_attr(PHASE_ATTR, tf.compat.v1.AttrValue(s=phase))
-            if source is not None and REPLICA_ATTR in source.node_def.attr:
-                op._set_attr(REPLICA_ATTR, source.node_def.attr[REPLICA_ATTR])
         if not op.device:
             op._set_device(source.device if source is not None and source.device else ctx.cluster.host_device)
 
