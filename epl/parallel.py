@@ -20,6 +20,7 @@ from epl.ir.graph_view import TrainingView, analyze
 from epl.ir.taskgraph import graph_state
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_plan
+from epl.planner.planner import local_replica_weights
 from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
 from graph_passes.annotate import AnnotatePass
@@ -98,6 +99,8 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
     config = get_config()
     cluster = local_cluster(config)
     view = analyze(graph, state)
+    if replica_weights is None:  # the hardware-aware planner: uneven shares for mixed devices
+        replica_weights = local_replica_weights(view, cluster, config)  # None = even split
     plan = make_plan(view.taskgraphs, cluster, replica_weights)
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):

@@ -555,7 +555,8 @@ def op_cost(op: tf.Operation, unknown_dim: int | None = None) -> OpCost:
     if _APPLY_RE.match(op.type):
         return _apply_cost(op, s, out)
     formula = _FLOPS.get(op.type)
-    flops = formula(op, s) if formula else 0.0
+    # Ops with no outputs (resource updates such as AssignAddVariableOp) write in place.
+    flops = formula(op, s) if formula and op.outputs else 0.0
     return OpCost(flops, _input_bytes(op, s), out, out,
                   s.exact and formula is not None)
 

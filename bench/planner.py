@@ -1,0 +1,165 @@
+"""Benchmark of the hardware-aware planner on simulated mixed clusters.
+
+For each cluster (V100 + T4; A100 + V100; 8 fast + 8 slow over 4 hosts) and
+each built-in model (BERT-base, ResNet-50, M6-mini), all in mixed precision
+(float16 compute), it plans the same global batch twice, side by side:
+
+- the peer: data parallelism with an even split of the batch (what a
+  hardware-unaware framework does);
+- EPL: data parallelism balanced by capability within memory
+  (epl.planner.balance.balance_batch), and the plan the planner chooses.
+
+It prints a table and one ratio line per case: predicted step time of the
+even split / the balanced plan (target >= 1.3 where the capability gap, the
+slow device's predicted compute time over the fast one's at equal batch, is
+at least 2x), and checks that no balanced plan runs out of memory where the
+even split fits.  "comm" is the share of communication (gradient
+all-reduce, expert all-to-all) in the even split's step on its slowest
+device: balancing cannot shorten it, so it bounds the ratio.  Hosts are
+linked by the profiles' default 100 Gb/s network, one NIC per host.  Then the M6-10T configuration (~9.9 T parameters) on 512
+V100-32GB with offload: its per-device memory table and whether it fits,
+and what the planner says without offload.
+
+The predictions come from the cost model (no accelerator is used), so the
+numbers are deterministic; "timings are medians" does not apply.
+
+    python bench/planner.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from epl.errors import ClusterError  # noqa: E402
+from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
+from epl.profiles import parse_cluster  # noqa: E402
+from tools.epl_plan import builtin_model  # noqa: E402
+
+CLUSTERS = [
+    ("V100+T4", "1x8xV100-32GB,1x8xT4"),
+    ("A100+V100", "1x8xA100-40GB,1x8xV100-32GB"),
+    ("8 fast + 8 slow", "2x4xA100-80GB,2x4xT4"),
+]
+#: model -> examples per device (typical mixed-precision training batches).
+MODELS = [("bert-base", 128), ("resnet50", 128), ("m6-mini", 64)]
+DTYPE = "float16"
+EVEN = "data-parallel, even split"
+BALANCED = "data-parallel, balanced by capability"
+TARGET = 1.3
+
+
+def _case(cluster: str, model_name: str, per_device: int) -> dict:
+    """Plan one (cluster, model); the figures of the table row."""
+    hosts = parse_cluster(cluster)
+    batch = per_device * sum(h.devices for h in hosts)
+    plan = plan_cluster(builtin_model(model_name, DTYPE), hosts, "adam",
+                        batch, PlanOptions(compute_dtype=DTYPE))
+    even, balanced = plan.alternative(EVEN), plan.alternative(BALANCED)
+    computes = [load.compute_s for load in even.loads]
+    slowest = max(even.loads, key=lambda load: load.step_s)
+    return {
+        "batch": batch,
+        "gap": max(computes) / min(computes),
+        "comm": slowest.comm_s / slowest.step_s,
+        "even": even, "balanced": balanced, "chosen": plan.chosen,
+    }
+
+
+def _ms(alt) -> str:
+    """Step time in ms, or OOM."""
+    return f"{alt.step_time * 1e3:.1f}" if alt.feasible else "OOM"
+
+
+def mixed_clusters() -> list[str]:
+    """The cluster x model table and its ratio lines."""
+    header = (f"{'cluster':<16} {'model':<10} {'batch':>6} {'gap':>5} "
+              f"{'comm':>5} "
+              f"{'even ms':>9} {'balanced ms':>12} {'chosen ms':>10}  "
+              f"{'ratio':>6}  chosen plan")
+    rows, ratios = [header, "-" * len(header)], []
+    bad_oom = 0
+    for cluster_name, cluster in CLUSTERS:
+        for model_name, per_device in MODELS:
+            case = _case(cluster, model_name, per_device)
+            even, balanced = case["even"], case["balanced"]
+            if even.feasible and not balanced.feasible:
+                bad_oom += 1
+            ratio = even.step_time / balanced.step_time \
+                if even.feasible and balanced.feasible else None
+            rows.append(
+                f"{cluster_name:<16} {model_name:<10} {case['batch']:>6} "
+                f"{case['gap']:>4.2f}x {case['comm']:>5.0%} "
+                f"{_ms(even):>9} {_ms(balanced):>12} "
+                f"{_ms(case['chosen']):>10}  "
+                f"{(f'{ratio:.2f}x' if ratio else '-'):>6}  "
+                f"{case['chosen'].name}")
+            ratios.append(_ratio_line(cluster_name, model_name, case, ratio))
+    rows.append("")
+    rows += ratios
+    rows.append(f"balanced plans out of memory where the even split fits: "
+                f"{bad_oom} (target 0)")
+    return rows
+
+
+def _ratio_line(cluster: str, model: str, case: dict,
+                ratio: float | None) -> str:
+    """"ratio even/balanced [cluster, model]: 1.52x (gap 2.5x, target ...)"."""
+    if ratio is None:
+        why = "even split runs out of memory" if not case["even"].feasible \
+            else "balanced plan runs out of memory"
+        return (f"ratio even/balanced [{cluster}, {model}]: n/a ({why}; "
+                f"balanced {'fits' if case['balanced'].feasible else 'OOM'})")
+    if case["gap"] >= 2:
+        verdict = "meets" if ratio >= TARGET else "MISSES"
+        target = f"target >= {TARGET}: {verdict}"
+        if ratio < TARGET:
+            target += (f"; communication, the same on every device, is "
+                       f"{case['comm']:.0%} of the even split's step")
+    else:
+        target = "gap < 2x: no target"
+    return (f"ratio even/balanced [{cluster}, {model}]: {ratio:.2f}x "
+            f"(capability gap {case['gap']:.2f}x, {target})")
+
+
+def m6_10t() -> list[str]:
+    """M6-10T on 512 V100-32GB with offload; and without."""
+    model = builtin_model("m6-10t")
+    hosts = parse_cluster("64x8xV100-32GB")
+    batch = 2 * 512
+    lines = [f"M6-10T: {model.num_parameters / 1e12:.2f} T parameters, "
+             f"512 x V100-32GB, global batch {batch}, offload"]
+    plan = plan_cluster(model, hosts, "adam", batch,
+                        PlanOptions(offload=True))
+    lines += ["  " + line for line in plan.explain().splitlines()]
+    lines.append(f"M6-10T with offload fits: {plan.chosen.feasible} "
+                 f"({plan.chosen.name}, predicted step "
+                 f"{plan.chosen.step_time:.2f} s)")
+    try:
+        plan_cluster(model, hosts, "adam", batch, PlanOptions())
+        lines.append("M6-10T without offload fits: True")
+    except ClusterError as err:
+        text = str(err).splitlines()
+        lines.append("M6-10T without offload fits: False")
+        lines += ["  " + line for line in text[:6]]
+    return lines
+
+
+def main() -> int:
+    """Run both parts and print them."""
+    start = time.perf_counter()
+    print(f"Planner: predicted step time, even split vs balanced by "
+          f"capability ({DTYPE} compute, adam)")
+    for line in mixed_clusters():
+        print(line)
+    print()
+    for line in m6_10t():
+        print(line)
+    print(f"\nbench/planner.py ran in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1755 @@
+"""The hardware-aware planner: who does how much, and whether it fits.
+
+`plan_cluster(model, hosts, optimizer, global_batch, options)` takes a model
+(a tf.Graph / GraphDef / analysed TrainingView, or a `ModelSpec` describing
+the model as a list of layer costs), a cluster (a list of
+`epl.profiles.HostSpec`, or a cluster string such as "2x8xV100-32GB,2x8xT4")
+and returns a `ClusterPlan`: for each alternative it considered, the work,
+memory and predicted time of every device, and whether it fits; the fastest
+alternative that fits is chosen.  `ClusterPlan.explain()` is what `epl-plan`
+prints.
+
+Alternatives
+------------
+- data-parallel, even split: every device holds a replica and gets
+  global_batch / n examples.
+- data-parallel, balanced by capability: batch shares proportional to each
+  device's predicted examples/s, moved off devices that would run out of
+  memory (`epl.planner.balance.balance_batch`).
+- the balanced plan with gradient checkpointing, with ZeRO, and with both.
+- pipeline: when the model has several annotated stages (TaskGraphs) or
+  `PlanOptions.pipeline_stages` is set: stages cut by `balance_stages` over
+  the model's layers, earlier stages on devices with more memory, pipelines
+  replicated over the remaining devices and given batch shares by their
+  throughput.
+A model with split (expert) layers shards those layers' units (experts) over
+all devices in proportion to capability (`balance_shards`); each device runs
+its experts on the tokens routed to them (uniform top-1 routing assumed).
+
+The model of one device
+-----------------------
+- Memory: parameters, gradients (as large as the parameters), optimizer
+  slots (`cost_model.optimizer_slots` per parameter, in the parameters'
+  dtype) and activations kept for the backward pass.  ZeRO divides the
+  gradients and optimizer slots of replicated parameters by the number of
+  data-parallel devices.  Gradient checkpointing keeps about sqrt(n)
+  activations (`cost_model.checkpointed_bytes`) and recomputes the forward
+  pass once more.  Offload keeps parameters, gradients and optimizer state
+  in host memory (checked against `host_memory_per_device`); the device
+  holds a double-buffered copy of the largest layer's parameters and one
+  layer's gradients, and the optimizer update runs on the host.
+- A device may use `usable_fraction` of its memory (the runtime and CUDA
+  context take the rest).
+- Compute: `cost_model.predict_time` (roofline at `efficiency` of peak) of
+  the device's FLOPs and bytes: its examples' forward and backward, its
+  experts' share, and the optimizer update of the parameters it updates.
+- Communication: a ring all-reduce of the replicated gradients over the
+  data-parallel devices (`cost_model.comm_time`) at the slowest link among
+  them (the inter-node link when they span hosts); the expert all-to-all
+  (dispatch and combine, forward and backward): each device's tokens
+  spread evenly over all devices, the part leaving the host through the
+  host's network link, which its devices share (profiles give one NIC per
+  host); offload
+  traffic over `host_link_bandwidth` (parameters in for the forward and the
+  backward, gradients out).  Communication is not overlapped with compute,
+  so predicted step times are upper bounds.
+- Pipeline: a step takes (micro-batches + stages - 1) x the slowest stage's
+  time per micro-batch (GPipe/1F1B bubble), stage s keeps
+  min(stages - s, micro-batches) micro-batches' activations alive; the
+  activations sent between stages are not counted.
+
+The chosen plan is the simplest (earliest listed) feasible alternative whose
+predicted step time is within 3% of the fastest one's (`CHOICE_TOLERANCE`):
+the model is not precise enough to prefer ZeRO or checkpointing for a
+smaller gain.  Everything is deterministic: the same inputs give the same
+plan and text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+from epl.errors import ClusterError, ConfigError
+from epl.planner import balance
+from epl.planner import cost_model as cm
+from epl.planner.balance import GiB, gb, index_ranges
+from epl.profiles import (PCIE3_X16, DeviceProfile, HostSpec,
+                          normalize_dtype, parse_cluster)
+
+#: Usable share of a device's memory (the runtime and CUDA context take
+#: some; profiles.py asks the planner to keep headroom).
+DEFAULT_USABLE_FRACTION = 0.95
+#: Host memory per device: a typical 8-GPU server with 1.5 TiB of RAM.
+DEFAULT_HOST_MEMORY_PER_DEVICE = 1.5 * (1 << 40) / 8
+#: Apply-op name (cost_model.APPLY_OPS) behind each optimizer name.
+_APPLY_OP_OF = {
+    "sgd": "GradientDescent", "gradientdescent": "GradientDescent",
+    "momentum": "Momentum", "nesterov": "Momentum", "adam": "Adam",
+    "adamw": "Adam", "lazyadam": "Adam", "adamax": "AdaMax", "nadam": "Adam",
+    "lamb": "Adam", "adagrad": "Adagrad", "rmsprop": "RMSProp",
+    "centeredrmsprop": "CenteredRMSProp", "adadelta": "Adadelta",
+    "ftrl": "Ftrl",
+}
+_SLOT_OPTIMIZER = {0: "sgd", 1: "momentum", 2: "adam", 3: "centeredrmsprop"}
+#: Optimizer apply op types, as cost_model reads them.
+_APPLY_TYPE = re.compile(r"^(?:Resource)?(?:Sparse)?Apply(\w+)$")
+
+
+# --------------------------------------------------------------------------
+# Model descriptions.
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One layer (or TaskGraph) of a model, as numbers.
+
+    Per-example figures cover one training example's forward and backward
+    pass.  "split" figures belong to the layer's split dimension (for
+    example the experts of a mixture-of-experts layer), which is sharded
+    over the devices: `split_parameter_bytes` is the whole dimension's
+    parameters, `split_flops_per_example` what one example costs on
+    whichever device owns its expert.
+
+    Attributes:
+        name: label for messages.
+        flops_per_example: forward + backward FLOPs of the replicated part.
+        bytes_per_example: memory traffic of the same.
+        activation_bytes_per_example: bytes kept for the backward pass.
+        parameter_bytes: replicated parameters.
+        recompute_flops_per_example: forward FLOPs re-run under gradient
+            checkpointing (None: a third of forward + backward).
+        checkpointed_activation_bytes_per_example: activation bytes under
+            checkpointing (None: computed over the model's layers with
+            `cost_model.checkpointed_bytes`).
+        split_parameter_bytes / split_flops_per_example /
+        split_bytes_per_example / split_activation_bytes_per_example: the
+            split part, as above.
+        alltoall_bytes_per_example: bytes one example sends to other devices
+            for its split part (dispatch + combine, forward + backward).
+        stage: the annotated stage (TaskGraph index).
+    """
+
+    name: str
+    flops_per_example: float = 0.0
+    bytes_per_example: float = 0.0
+    activation_bytes_per_example: float = 0.0
+    parameter_bytes: float = 0.0
+    recompute_flops_per_example: float | None = None
+    checkpointed_activation_bytes_per_example: float | None = None
+    split_parameter_bytes: float = 0.0
+    split_flops_per_example: float = 0.0
+    split_bytes_per_example: float = 0.0
+    split_activation_bytes_per_example: float = 0.0
+    alltoall_bytes_per_example: float = 0.0
+    stage: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it: layers of numbers.
+
+    Attributes:
+        name: label.
+        layers: in model order.
+        compute_dtype: the dtype whose peak FLOP/s applies ("float16" for
+            mixed precision).
+        parameter_dtype_bytes: bytes per parameter element (for the
+            optimizer update's element count).
+        split_units: size of the split dimension shared by all split layers
+            (e.g. experts per layer); 0 when nothing is split.
+        batch_size: the batch the description was measured at, if known.
+        exact: False when some figure is an estimate (unknown shapes, op
+            types the cost model does not know).
+        notes: remarks explain() prints.
+        optimizer: the optimizer the model was built with, if known (a
+            graph's apply ops); plan_cluster uses it when given none.
+    """
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    compute_dtype: str = "float32"
+    parameter_dtype_bytes: int = 4
+    split_units: int = 0
+    batch_size: int | None = None
+    exact: bool = True
+    notes: tuple[str, ...] = ()
+    optimizer: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise ConfigError(f"model {self.name!r} has no layers")
+        if any(layer.split_parameter_bytes or layer.split_flops_per_example
+               for layer in self.layers) and self.split_units < 1:
+            raise ConfigError(f"model {self.name!r} has split layers but "
+                              f"split_units={self.split_units}")
+
+    @property
+    def parameter_bytes(self) -> float:
+        """Replicated plus split parameter bytes."""
+        return sum(l.parameter_bytes + l.split_parameter_bytes
+                   for l in self.layers)
+
+    @property
+    def num_parameters(self) -> float:
+        """Parameter count."""
+        return self.parameter_bytes / self.parameter_dtype_bytes
+
+    @property
+    def flops_per_example(self) -> float:
+        """Forward + backward FLOPs of one example (replicated + split)."""
+        return sum(l.flops_per_example + l.split_flops_per_example
+                   for l in self.layers)
+
+    @property
+    def stages(self) -> int:
+        """Number of distinct annotated stages."""
+        return len({layer.stage for layer in self.layers})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Totals:
+    """Summed figures of some layers (per example or per step)."""
+
+    flops: float
+    bytes: float
+    act: float
+    params: float
+    split_params: float
+    split_flops: float
+    split_bytes: float
+    split_act: float
+    alltoall: float
+    largest_layer_params: float
+    largest_layer_split_params: float
+
+
+def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
+    """(replicated, split) activation bytes per example under checkpointing."""
+    given = sum(l.checkpointed_activation_bytes_per_example or 0.0
+                for l in layers)
+    free = [l.activation_bytes_per_example + l.split_activation_bytes_per_example
+            for l in layers if l.checkpointed_activation_bytes_per_example is None]
+    kept = given + (cm.checkpointed_bytes(free) if free else 0.0)
+    full = sum(l.activation_bytes_per_example
+               + l.split_activation_bytes_per_example for l in layers)
+    split = sum(l.split_activation_bytes_per_example for l in layers)
+    ratio = kept / full if full else 0.0
+    return kept - split * ratio, split * ratio
+
+
+def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
+    """Sum `layers`; with checkpointing, add the recompute and cut activations."""
+    def total(field: str) -> float:
+        return float(sum(getattr(l, field) for l in layers))
+
+    flops, split_flops = total("flops_per_example"), total(
+        "split_flops_per_example")
+    act, split_act = total("activation_bytes_per_example"), total(
+        "split_activation_bytes_per_example")
+    if checkpointing:
+        flops += sum(l.flops_per_example / 3 if l.recompute_flops_per_example
+                     is None else l.recompute_flops_per_example
+                     for l in layers)
+        split_flops += split_flops / 3
+        act, split_act = _checkpointed(layers)
+    traffic, split_traffic = total("bytes_per_example"), total(
+        "split_bytes_per_example")
+    if checkpointing:  # the recomputed forward moves its bytes again
+        traffic, split_traffic = traffic * 4 / 3, split_traffic * 4 / 3
+    return _Totals(
+        flops=flops, bytes=traffic, act=act,
+        params=total("parameter_bytes"),
+        split_params=total("split_parameter_bytes"),
+        split_flops=split_flops, split_bytes=split_traffic,
+        split_act=split_act, alltoall=total("alltoall_bytes_per_example"),
+        largest_layer_params=max(l.parameter_bytes for l in layers),
+        largest_layer_split_params=max(l.split_parameter_bytes
+                                       for l in layers))
+
+
+# --------------------------------------------------------------------------
+# From a TensorFlow graph.
+# --------------------------------------------------------------------------
+
+def infer_optimizer(graph: Any) -> str | None:
+    """The optimizer name ("adam", "sgd", ...) behind the graph's apply ops.
+
+    Reads op types only (ResourceApplyAdam -> "adam"); None when the graph
+    has no apply op.  Optimizers with the same slot count map to one name.
+    """
+    graph = cm.as_graph(graph)
+    for op in graph.get_operations():
+        match = _APPLY_TYPE.match(op.type)
+        if match and match.group(1) in cm.APPLY_OPS:
+            slots = cm.APPLY_OPS[match.group(1)][1]
+            return _SLOT_OPTIMIZER.get(slots, "adam")
+    return None
+
+
+def _trainable_variable_ops(graph: Any) -> list:
+    """Trained variables of a graph without a TRAINABLE_VARIABLES collection:
+    the variables apply ops update (their first input), else every
+    floating-point variable."""
+    updated = {}
+    for op in graph.get_operations():
+        match = _APPLY_TYPE.match(op.type)
+        if match and op.inputs:
+            var = cm.variable_op(op.inputs[0])
+            if var is not None:
+                updated[var.name] = var
+    if updated:
+        return list(updated.values())
+    import tensorflow as tf
+    return [op for op in graph.get_operations() if op.type in cm.VARIABLE_OPS
+            and tf.as_dtype(op.get_attr("dtype")).base_dtype.is_floating]
+
+
+def _tagged_phases(graph: Any) -> bool:
+    """Whether any op carries EPL's phase attribute."""
+    return any(cm.PHASE_ATTR in op.node_def.attr
+               for op in graph.get_operations())
+
+
+def _analysed_view(graph: Any):
+    """The TrainingView of a graph EPL recorded a training step on, or None."""
+    from epl.ir.graph_view import analyze
+    from epl.ir.taskgraph import graph_state
+    from epl.errors import EPLError
+    state = graph_state(graph, create=False)
+    if state is None or not state.train_steps:
+        return None
+    try:
+        return analyze(graph, state)
+    except EPLError:
+        return None
+
+
+def _static_batch(graph: Any) -> int | None:
+    """The batch size of the graph's batch inputs, if static."""
+    from epl.errors import ParallelizeError
+    from epl.ir.graph_view import find_batch_inputs
+    try:
+        return find_batch_inputs(set(graph.get_operations()))[1]
+    except ParallelizeError:
+        return None
+
+
+class _Measure:
+    """Costs of a graph at unknown_dim 1 and 2, per (group, phase)."""
+
+    def __init__(self, values: Mapping[int, Mapping], batch: int | None):
+        self.values = values
+        self.batch = batch
+
+    def per_example(self, key: Hashable, attr: str) -> float:
+        """Per-example figure: the slope in the unknown batch dimension,
+        else the static batch's total divided by the batch."""
+        one = _field(self.values[1].get(key), attr)
+        two = _field(self.values[2].get(key), attr)
+        slope = two - one
+        if slope > 0:
+            return slope
+        return one / self.batch if self.batch else one
+
+
+def _field(value: Any, attr: str) -> float:
+    """getattr(value, attr) or 0 when the group is absent."""
+    return float(getattr(value, attr)) if value is not None else 0.0
+
+
+def model_from_graph(graph: Any, view: Any = None,
+                     trainable_vars: Any = None, amp_dtype: Any = None,
+                     name: str = "graph") -> ModelSpec:
+    """Describe a training graph as a ModelSpec: one layer per TaskGraph.
+
+    Args:
+        graph: tf.Graph or GraphDef with forward, backward and apply ops
+            (EPL's `_epl_taskgraph` / `_epl_phase` attributes where
+            present).
+        view: its epl.ir.graph_view.TrainingView (phases, TaskGraphs and
+            batch size from the analysis); found from the graph's EPL state
+            when None.
+        trainable_vars: the trained variables; default the graph's
+            collection, else the variables its apply ops update.
+        amp_dtype: float16/bfloat16 when training under AMP (halves float32
+            activations; peak FLOP/s of that dtype).
+        name: the model's label.
+
+    Returns:
+        ModelSpec: per TaskGraph (in order), forward+backward FLOPs, bytes
+        and activation bytes per example (the slope in the unknown batch
+        dimension, or the static batch's figures divided by the batch),
+        checkpointed activations and replicated parameter bytes; the
+        optimizer its apply ops use.  The update's cost is left to the
+        planner.
+    """
+    graph = cm.as_graph(graph)
+    if view is None:
+        view = _analysed_view(graph)
+    group_fn, phase_fn, order = _group_functions(graph, view)
+    batch = view.global_batch_size if view is not None else \
+        _static_batch(graph)
+    pair = lambda op: (group_fn(op), phase_fn(op))  # noqa: E731
+    costs = _Measure({u: cm.graph_cost(graph, pair, unknown_dim=u)
+                      for u in (1, 2)}, batch)
+    variables = trainable_vars
+    if variables is None and not graph.get_collection(
+            "trainable_variables"):
+        variables = _trainable_variable_ops(graph)
+    memory = {ck: _Measure({u: cm.memory_estimate(
+        graph, variables, "sgd", group_fn=group_fn, checkpointing=ck,
+        amp_dtype=amp_dtype, phase_fn=phase_fn, unknown_dim=u)
+        for u in (1, 2)}, batch) for ck in (False, True)}
+    layers = tuple(_graph_layer(key, stage, costs, memory)
+                   for stage, key in enumerate(order))
+    exact = all(c.exact for c in costs.values[1].values())
+    notes = [] if exact else ["some shapes or op types were not known to "
+                              "the cost model; figures are estimates"]
+    if not _tagged_phases(graph) and view is None:
+        notes.append("the graph has no EPL phase tags: activation memory "
+                     "is not estimated (build it under epl.init)")
+    dtype = normalize_dtype(amp_dtype) if amp_dtype else "float32"
+    return ModelSpec(name=name, layers=layers, compute_dtype=dtype,
+                     batch_size=batch, exact=exact, notes=tuple(notes),
+                     optimizer=infer_optimizer(graph))
+
+
+def _graph_layer(key: Hashable, stage: int, costs: _Measure,
+                 memory: Mapping[bool, _Measure]) -> LayerSpec:
+    """The LayerSpec of one TaskGraph."""
+    fwd, bwd = (key, cm.FORWARD), (key, cm.BACKWARD)
+    return LayerSpec(
+        name=str(key) if key is not None else "model",
+        flops_per_example=costs.per_example(fwd, "flops")
+        + costs.per_example(bwd, "flops"),
+        bytes_per_example=costs.per_example(fwd, "bytes")
+        + costs.per_example(bwd, "bytes"),
+        recompute_flops_per_example=costs.per_example(fwd, "flops"),
+        activation_bytes_per_example=memory[False].per_example(
+            key, "activations"),
+        checkpointed_activation_bytes_per_example=memory[True].per_example(
+            key, "activations"),
+        parameter_bytes=_field(memory[False].values[1].get(key),
+                               "parameters"),
+        stage=stage)
+
+
+def _group_functions(graph: Any, view: Any
+                     ) -> tuple[Callable, Callable, list[Hashable]]:
+    """(op -> TaskGraph key, op -> phase, TaskGraph keys in order)."""
+    if view is not None:
+        taskgraph_of, phase_of = view.taskgraph_of, view.phase_of
+
+        def group_fn(op):
+            taskgraph = taskgraph_of.get(op)
+            return taskgraph.name if taskgraph is not None else \
+                view.taskgraphs[0].name
+
+        def phase_fn(op):
+            phase = phase_of.get(op)
+            return phase.value if phase is not None else cm.OTHER
+
+        return group_fn, phase_fn, [tg.name for tg in view.taskgraphs]
+    order: list[Hashable] = []
+    for op in graph.get_operations():
+        key = cm.taskgraph_of(op)
+        if key is not None and key not in order:
+            order.append(key)
+    phase_fn = _structural_phases(graph)
+    if not order:
+        return (lambda op: None), phase_fn, [None]
+    resolved = _structural_taskgraphs(graph, order)
+    return (lambda op: resolved[op]), phase_fn, order
+
+
+def _structural_taskgraphs(graph: Any, order: list[Hashable]
+                           ) -> dict[Any, Hashable]:
+    """op -> TaskGraph for a graph without an EPL analysis.
+
+    The `_epl_taskgraph` attribute where set; else the TaskGraph of the op
+    it is colocated with (backward and apply ops); else the latest
+    TaskGraph among its inputs; else the first (graph_view's rules).
+    """
+    from epl.ir.graph_view import colocation_root
+    rank = {key: i for i, key in enumerate(order)}
+    resolved: dict[Any, Hashable] = {}
+    for op in graph.get_operations():
+        key = cm.taskgraph_of(op)
+        if key is None:
+            root = colocation_root(op)
+            key = resolved.get(root) if root is not None else None
+        if key is None:
+            producers = [resolved[t.op] for t in op.inputs
+                         if t.op in resolved]
+            key = max(producers, key=rank.__getitem__) if producers \
+                else order[0]
+        resolved[op] = key
+    return resolved
+
+
+def _structural_phases(graph: Any) -> Callable:
+    """op -> phase for a graph without an EPL analysis (e.g. a GraphDef).
+
+    Ops tagged "backward"/"apply" keep their tag, as do untagged optimizer
+    apply ops ("apply").  With backward tags present, the untagged ops the
+    backward ops need (data inputs, transitively: the forward pass, the
+    loss and the input pipeline) are "forward" and the rest (initializers,
+    savers) "other"; with none, every untagged op counts as forward.
+    """
+    phases: dict[Any, str] = {}
+    backward = []
+    for op in graph.get_operations():
+        tag = cm.phase_of(op)
+        if tag in (cm.BACKWARD, cm.APPLY):
+            phases[op] = tag
+            backward += [op] if tag == cm.BACKWARD else []
+        elif _APPLY_TYPE.match(op.type):
+            phases[op] = cm.APPLY
+    if not backward:
+        return lambda op: phases.get(op, cm.FORWARD)
+    stack = [t.op for op in backward for t in op.inputs]
+    while stack:
+        op = stack.pop()
+        if op in phases:
+            continue
+        phases[op] = cm.FORWARD
+        stack.extend(t.op for t in op.inputs)
+    return lambda op: phases.get(op, cm.OTHER)
+
+
+# --------------------------------------------------------------------------
+# Devices and options.
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClusterDevice:
+    """One device of the cluster: global index, host, index in the host."""
+
+    index: int
+    host: int
+    local: int
+    profile: DeviceProfile
+
+
+def cluster_devices(hosts: Sequence[HostSpec]) -> list[ClusterDevice]:
+    """Every device of `hosts`, numbered host by host."""
+    devices = []
+    for h, host in enumerate(hosts):
+        for local in range(host.devices):
+            devices.append(ClusterDevice(len(devices), h, local, host.profile))
+    if not devices:
+        raise ClusterError("the cluster has no devices")
+    return devices
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How the planner models the devices and what it may try.
+
+    Attributes:
+        efficiency: fraction of peak FLOP/s a step reaches.
+        usable_fraction: fraction of device memory a plan may use.
+        offload: keep parameters, gradients and optimizer state in host
+            memory.
+        host_memory_per_device: host bytes available per device (offload).
+        host_link_bandwidth: device <-> host bytes/s (offload traffic).
+        pipeline_stages: stages to try a pipeline with (None: the model's
+            annotated stages when it has several).
+        num_micro_batch: micro-batches per pipeline step.
+        try_checkpointing / try_zero: consider those alternatives.
+        compute_dtype: overrides the model's compute dtype (e.g. "float16").
+    """
+
+    efficiency: float = cm.DEFAULT_EFFICIENCY
+    usable_fraction: float = DEFAULT_USABLE_FRACTION
+    offload: bool = False
+    host_memory_per_device: float = DEFAULT_HOST_MEMORY_PER_DEVICE
+    host_link_bandwidth: float = float(PCIE3_X16)
+    pipeline_stages: int | None = None
+    num_micro_batch: int = 4
+    try_checkpointing: bool = True
+    try_zero: bool = True
+    compute_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.usable_fraction <= 1:
+            raise ConfigError(f"usable_fraction must be in (0, 1], got "
+                              f"{self.usable_fraction!r}")
+        if self.num_micro_batch < 1:
+            raise ConfigError(f"num_micro_batch must be >= 1, got "
+                              f"{self.num_micro_batch!r}")
+        if self.pipeline_stages is not None and self.pipeline_stages < 1:
+            raise ConfigError(f"pipeline_stages must be >= 1, got "
+                              f"{self.pipeline_stages!r}")
+
+
+# --------------------------------------------------------------------------
+# Results.
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLoad:
+    """What one device does and holds under one alternative.
+
+    Bytes are on the device unless named host; times are seconds per step.
+    """
+
+    device: ClusterDevice
+    batch: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    usable: float
+    compute_s: float
+    comm_s: float
+    host_bytes: float = 0.0
+    host_usable: float = math.inf
+    shards: int | None = None
+    stage: int | None = None
+    layers: tuple[int, int] | None = None
+
+    @property
+    def total(self) -> float:
+        """Device bytes: parameters + gradients + optimizer + activations."""
+        return self.parameters + self.gradients + self.optimizer + \
+            self.activations
+
+    @property
+    def shortfall(self) -> float:
+        """Bytes over the usable device memory (0 when it fits)."""
+        return max(self.total - self.usable, 0.0)
+
+    @property
+    def host_shortfall(self) -> float:
+        """Bytes over the usable host memory (0 when it fits)."""
+        return max(self.host_bytes - self.host_usable, 0.0)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the device (and its host share) holds everything."""
+        slack = 1e-9 * max(self.usable, 1.0)
+        return self.total <= self.usable + slack and \
+            self.host_bytes <= self.host_usable + slack
+
+    @property
+    def step_s(self) -> float:
+        """Compute plus communication time."""
+        return self.compute_s + self.comm_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """One candidate plan.
+
+    Attributes:
+        name: e.g. "data-parallel, balanced by capability".
+        loads: per device (the intended assignment, also when rejected).
+        feasible: every device fits.
+        reason: why it was rejected ("" when feasible).
+        checkpointing / zero / pipeline_stages: what it uses.
+        num_micro_batch: micro-batches per step (pipelines).
+    """
+
+    name: str
+    loads: tuple[DeviceLoad, ...]
+    feasible: bool
+    reason: str = ""
+    checkpointing: bool = False
+    zero: bool = False
+    pipeline_stages: int = 1
+    num_micro_batch: int = 1
+
+    @property
+    def step_time(self) -> float:
+        """Predicted seconds per step (the slowest device)."""
+        return max(load.step_s for load in self.loads) if self.loads \
+            else math.inf
+
+    @property
+    def compute_time(self) -> float:
+        """The slowest device's compute seconds."""
+        return max(load.compute_s for load in self.loads)
+
+    @property
+    def worst_shortfall(self) -> float:
+        """Largest bytes over capacity of any device (device or host)."""
+        return max((max(l.shortfall, l.host_shortfall) for l in self.loads),
+                   default=math.inf)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Per data-parallel replica batch sizes (one per device for data
+        parallelism; one per pipeline, from its first stage, for pipelines).
+        """
+        return [l.batch for l in self.loads if l.stage in (None, 0)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+    """The planner's answer: every alternative, and the chosen one."""
+
+    model: ModelSpec
+    hosts: tuple[HostSpec, ...]
+    optimizer: str
+    global_batch: int
+    options: PlanOptions
+    alternatives: tuple[Alternative, ...]
+    chosen: Alternative
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The chosen plan's per-replica batch sizes."""
+        return self.chosen.batch_sizes
+
+    @property
+    def replica_weights(self) -> list[float]:
+        """The chosen plan's batch shares (sum to 1)."""
+        sizes = self.batch_sizes
+        return [s / self.global_batch for s in sizes]
+
+    def alternative(self, name: str) -> Alternative:
+        """The alternative called `name` (KeyError when absent)."""
+        for alt in self.alternatives:
+            if alt.name == name:
+                return alt
+        raise KeyError(name)
+
+    def explain(self) -> str:
+        """The per-device table, the chosen plan and the alternatives."""
+        return _explain(self)
+
+
+# --------------------------------------------------------------------------
+# Evaluation context.
+# --------------------------------------------------------------------------
+
+def optimizer_update_cost(parameter_bytes: float, dtype_bytes: int,
+                          optimizer: str) -> cm.GroupCost:
+    """FLOPs and bytes of one optimizer update of `parameter_bytes`."""
+    slots = cm.optimizer_slots(optimizer)
+    key = re.sub(r"[^a-z0-9]", "", str(optimizer).lower())
+    key = re.sub(r"optimizer$", "", key) or key
+    per_element = cm.APPLY_OPS.get(_APPLY_OP_OF.get(key, ""), (2 + 4 * slots,
+                                                                slots))[0]
+    elements = parameter_bytes / dtype_bytes
+    return cm.GroupCost(flops=elements * per_element,
+                        bytes=parameter_bytes * (3 + 2 * slots))
+
+
+@dataclasses.dataclass
+class _Context:
+    """What every alternative's evaluation reads."""
+
+    model: ModelSpec
+    devices: list[ClusterDevice]
+    optimizer: str
+    slots: int
+    global_batch: int
+    options: PlanOptions
+    dtype: str
+
+    @functools.cached_property
+    def host_sizes(self) -> dict[int, int]:
+        """Host index -> its number of devices."""
+        sizes: dict[int, int] = {}
+        for device in self.devices:
+            sizes[device.host] = sizes.get(device.host, 0) + 1
+        return sizes
+
+    @functools.cached_property
+    def slowest_nic(self) -> float:
+        """The slowest host network link (bytes/s)."""
+        return min(d.profile.inter_node_bandwidth for d in self.devices)
+
+    def usable(self, device: ClusterDevice) -> float:
+        """Bytes a plan may use on `device`."""
+        return device.profile.memory_bytes * self.options.usable_fraction
+
+    def time(self, device: ClusterDevice, flops: float, nbytes: float
+             ) -> float:
+        """Roofline seconds of (flops, bytes) on `device`."""
+        if flops <= 0 and nbytes <= 0:
+            return 0.0
+        return cm.predict_time(cm.GroupCost(flops=flops, bytes=nbytes),
+                               device.profile, self.dtype,
+                               self.options.efficiency)
+
+    def update_time(self, device: ClusterDevice, param_bytes: float) -> float:
+        """Seconds of the optimizer update of `param_bytes` on `device`
+        (zero under offload: the host runs it)."""
+        if self.options.offload or param_bytes <= 0:
+            return 0.0
+        cost = optimizer_update_cost(param_bytes,
+                                     self.model.parameter_dtype_bytes,
+                                     self.optimizer)
+        return self.time(device, cost.flops, cost.bytes)
+
+
+def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
+    """(bytes/s, "inter-node" or "intra-node") of the slowest ring link."""
+    if len({d.host for d in devices}) > 1:
+        return min(d.profile.inter_node_bandwidth for d in devices), \
+            "inter-node"
+    return min(d.profile.intra_node_bandwidth for d in devices), "intra-node"
+
+
+def _alltoall_per_example(ctx: _Context, totals: _Totals,
+                          device: ClusterDevice) -> float:
+    """Seconds one example's expert all-to-all takes on `device`.
+
+    Its tokens go evenly to all n devices: (local - 1)/n of the bytes to the
+    other devices of its host over the intra-node link, (n - local)/n to
+    other hosts through the host's network link (the slowest host's), which
+    the host's `local` devices share; both directions run at once.
+    """
+    n = len(ctx.devices)
+    if n <= 1 or not totals.alltoall:
+        return 0.0
+    local = ctx.host_sizes[device.host]
+    intra = totals.alltoall * (local - 1) / n / \
+        device.profile.intra_node_bandwidth
+    inter = totals.alltoall * (n - local) / n / (
+        ctx.slowest_nic / local) if n > local else 0.0
+    return max(intra, inter)
+
+
+def _per_example_time(ctx: _Context, device: ClusterDevice,
+                      totals: _Totals) -> float:
+    """Seconds per example of the replicated part on `device`."""
+    seconds = ctx.time(device, totals.flops, totals.bytes)
+    if seconds <= 0:  # a model with only split layers
+        seconds = ctx.time(device, totals.split_flops, totals.split_bytes)
+    return seconds if seconds > 0 else 1.0 / device.profile.flops(ctx.dtype)
+
+
+# --------------------------------------------------------------------------
+# Data-parallel alternatives.
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceState:
+    """Bytes a device holds whatever its batch, split into the table's parts."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float  # split (expert) activations, fixed by the shard
+    host: float
+    update_bytes: float  # parameter bytes this device updates
+    offload_traffic: float = 0.0  # bytes to and from the host per step
+
+
+def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
+                  zero: bool) -> _DeviceState:
+    """Fixed bytes of one data-parallel device holding `units` split units."""
+    share = units / ctx.model.split_units if ctx.model.split_units else 0.0
+    dense, split = totals.params, totals.split_params * share
+    dense_sharded = dense / n if zero else dense
+    params = dense + split
+    grads = dense_sharded + split
+    slots = (dense_sharded + split) * ctx.slots
+    split_act = totals.split_act * ctx.global_batch * share
+    update = dense_sharded + split
+    if not ctx.options.offload:
+        return _DeviceState(params, grads, slots, split_act, 0.0, update)
+    largest = totals.largest_layer_params + \
+        totals.largest_layer_split_params * share
+    return _DeviceState(2 * largest, largest, 0.0, split_act,
+                        params + grads + slots, update, 2 * params + grads)
+
+
+def _split_units(ctx: _Context, totals: _Totals, caps: list[float],
+                 balanced: bool, zero: bool) -> list[int]:
+    """Split units (experts) per device: proportional to capability when
+    balanced, else even; each device at least one."""
+    units, n = ctx.model.split_units, len(ctx.devices)
+    if not units:
+        return [0] * n
+    if units < n:
+        raise ClusterError(
+            f"the split dimension has {units} units (experts) but the "
+            f"cluster has {n} devices; every device needs at least one")
+    if not balanced:
+        return balance.proportional_shares(units, [1.0] * n, minimum=1)
+    state_copies = 0 if ctx.options.offload else 2 + ctx.slots
+    per_unit = (totals.split_params / units) * state_copies + \
+        totals.split_act * ctx.global_batch / units
+    empty = [_device_state(ctx, totals, 0, n, zero) for _ in ctx.devices]
+    fixed = [s.parameters + s.gradients + s.optimizer + totals.act *
+             ctx.global_batch * c / sum(caps) for s, c in zip(empty, caps)]
+    try:
+        return list(balance.balance_shards(
+            units, caps, per_unit, fixed,
+            [ctx.usable(d) for d in ctx.devices],
+            [d.profile.name for d in ctx.devices]).sizes)
+    except ClusterError:
+        return balance.proportional_shares(units, caps, minimum=1)
+
+
+def _data_parallel(ctx: _Context, name: str, balanced: bool,
+                   checkpointing: bool, zero: bool) -> Alternative:
+    """Evaluate one data-parallel alternative."""
+    devices, n = ctx.devices, len(ctx.devices)
+    totals = _totals(ctx.model.layers, checkpointing)
+    caps = [1.0 / (_per_example_time(ctx, d, totals)
+                   + _alltoall_per_example(ctx, totals, d)) for d in devices]
+    try:
+        units = _split_units(ctx, totals, caps, balanced, zero)
+    except ClusterError as err:
+        return Alternative(name, (), False, str(err), checkpointing, zero)
+    states = [_device_state(ctx, totals, u, n, zero) for u in units]
+    busy = [_busy_time(ctx, d, totals, u, s)
+            for d, u, s in zip(devices, units, states)]
+    batch = _batch_sizes(ctx, devices, caps, states, totals.act, balanced,
+                         busy)
+    loads = _dp_loads(ctx, totals, units, states, batch)
+    reason = _memory_reason(loads)
+    return Alternative(name, tuple(loads), not reason, reason, checkpointing,
+                       zero)
+
+
+def _busy_time(ctx: _Context, device: ClusterDevice, totals: _Totals,
+               units: int, state: _DeviceState) -> float:
+    """Seconds `device` computes whatever its batch: its experts' share of
+    the split layers and its optimizer update."""
+    share = units / ctx.model.split_units if ctx.model.split_units else 0.0
+    tokens = ctx.global_batch * share
+    return ctx.time(device, tokens * totals.split_flops,
+                    tokens * totals.split_bytes) + \
+        ctx.update_time(device, state.update_bytes)
+
+
+def _batch_sizes(ctx: _Context, devices: Sequence[ClusterDevice],
+                 caps: list[float], states: list[_DeviceState],
+                 act: float, balanced: bool, busy: list[float]
+                 ) -> list[int]:
+    """Batch per device: even, or balanced within memory.  When the batch
+    fits nowhere, shares follow each device's free memory instead, so that
+    every device falls short by about the same fraction (the shortfall the
+    planner reports is then the least one)."""
+    g = ctx.global_batch
+    if not balanced:
+        return balance.proportional_shares(g, [1.0] * len(devices))
+    fixed = [s.parameters + s.gradients + s.optimizer + s.activations
+             for s in states]
+    try:
+        shares = balance.balance_batch(
+            g, caps, act, fixed, [ctx.usable(d) for d in devices],
+            [d.profile.name for d in devices], busy)
+        return list(shares.sizes)
+    except ClusterError:
+        room = [max(ctx.usable(d) - f, 0.0) for d, f in zip(devices, fixed)]
+        if not any(room):
+            return balance.proportional_shares(g, caps, 0, busy)
+        return balance.proportional_shares(
+            g, [max(r, 1e-9 * max(room)) for r in room])
+
+
+def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
+              states: list[_DeviceState], batch: list[int]
+              ) -> list[DeviceLoad]:
+    """Per-device loads of a data-parallel assignment."""
+    devices, n = ctx.devices, len(ctx.devices)
+    bandwidth, _ = _slowest_link(devices)
+    allreduce = cm.comm_time(totals.params, bandwidth, n)
+    loads = []
+    for device, u, state, b in zip(devices, units, states, batch):
+        share = u / ctx.model.split_units if ctx.model.split_units else 0.0
+        tokens = ctx.global_batch * share
+        compute = ctx.time(device, b * totals.flops + tokens *
+                           totals.split_flops, b * totals.bytes + tokens *
+                           totals.split_bytes)
+        compute += ctx.update_time(device, state.update_bytes)
+        comm = allreduce + b * _alltoall_per_example(ctx, totals, device)
+        comm += state.offload_traffic / ctx.options.host_link_bandwidth
+        loads.append(DeviceLoad(
+            device=device, batch=b, parameters=state.parameters,
+            gradients=state.gradients, optimizer=state.optimizer,
+            activations=state.activations + b * totals.act,
+            usable=ctx.usable(device), compute_s=compute, comm_s=comm,
+            host_bytes=state.host,
+            host_usable=ctx.options.host_memory_per_device
+            if ctx.options.offload else math.inf,
+            shards=u if ctx.model.split_units else None))
+    return loads
+
+
+def _memory_reason(loads: Sequence[DeviceLoad]) -> str:
+    """"" when every device fits, else the constraint that rules it out."""
+    device_over = [l for l in loads if l.shortfall > 1e-9 * l.usable]
+    host_over = [l for l in loads if l.host_shortfall > 0]
+    if not device_over and not host_over:
+        return ""
+    if device_over:
+        worst = max(device_over, key=lambda l: (l.shortfall / l.usable,
+                                                -l.device.index))
+        text = _needs_text(worst)
+        others = len(device_over) - 1
+    else:
+        worst = max(host_over, key=lambda l: (l.host_shortfall,
+                                              -l.device.index))
+        text = (f"device {worst.device.index} needs {gb(worst.host_bytes)} "
+                f"of host memory with {gb(worst.host_usable)} per device")
+        others = len(host_over) - 1
+    if others:
+        text += f" (and {others} more device{'s' if others > 1 else ''})"
+    return text
+
+
+def _needs_text(load: DeviceLoad) -> str:
+    """"stage 3 needs 18.2 GB on a 16.0 GB V100-16GB (device 5, ...)"."""
+    profile = load.device.profile
+    who = f"stage {load.stage}" if load.stage is not None else \
+        f"device {load.device.index}"
+    where = f"device {load.device.index}, " if load.stage is not None else ""
+    what = f"{load.batch} examples" if load.batch else "its share"
+    return (f"{who} needs {gb(load.total)} on a "
+            f"{profile.memory_bytes / GiB:.1f} GB {profile.name} "
+            f"({where}{gb(load.usable)} usable) for {what}: parameters "
+            f"{gb(load.parameters)}, gradients {gb(load.gradients)}, "
+            f"optimizer {gb(load.optimizer)}, activations "
+            f"{gb(load.activations)}")
+
+
+# --------------------------------------------------------------------------
+# Pipeline alternative.
+# --------------------------------------------------------------------------
+
+def _pipeline(ctx: _Context, stages: int, checkpointing: bool
+              ) -> Alternative:
+    """Evaluate a pipeline of `stages` stages, replicated over the rest."""
+    name = f"pipeline, {stages} stages" + (
+        " + gradient checkpointing" if checkpointing else "")
+    devices, layers = ctx.devices, ctx.model.layers
+    n = len(devices)
+    reject = _pipeline_precheck(ctx, stages)
+    if reject:
+        return Alternative(name, (), False, reject, checkpointing,
+                           pipeline_stages=stages)
+    replicas = n // stages
+    micro = ctx.options.num_micro_batch
+    order = balance.stage_device_order(
+        [ctx.usable(d) for d in devices],
+        [1.0 / _per_example_time(ctx, d, _totals(layers, False))
+         for d in devices])
+    groups = [[devices[order[s * replicas + r]] for s in range(stages)]
+              for r in range(replicas)]
+    per_layer = [_totals([l], checkpointing) for l in layers]
+    even_mb = max(math.ceil(ctx.global_batch / replicas / micro), 1)
+    cuts, reason = [], ""
+    for group in groups:
+        try:
+            cuts.append(_cut_pipeline(ctx, group, per_layer, even_mb))
+        except ClusterError as err:
+            cuts.append(None)
+            reason = reason or str(err).splitlines()[0] + " " + "; ".join(
+                line.strip() for line in str(err).splitlines()[1:-1]
+                if "short by" in line)
+    if reason:
+        return Alternative(name, (), False, reason, checkpointing,
+                           pipeline_stages=stages, num_micro_batch=micro)
+    batch = _pipeline_batches(ctx, groups, cuts, per_layer)
+    loads = _pipeline_loads(ctx, groups, cuts, per_layer, batch)
+    reason = _memory_reason(loads)
+    return Alternative(name, tuple(loads), not reason, reason, checkpointing,
+                       pipeline_stages=stages, num_micro_batch=micro)
+
+
+def _pipeline_precheck(ctx: _Context, stages: int) -> str:
+    """Why a pipeline of `stages` cannot be laid out ("" if it can)."""
+    n, layers = len(ctx.devices), len(ctx.model.layers)
+    if ctx.model.split_units:
+        return ("pipelines of models with split (expert) layers are not "
+                "modelled")
+    if layers < stages:
+        return f"the model has {layers} layer(s), fewer than {stages} stages"
+    if n % stages:
+        return (f"{n} devices cannot be cut into pipelines of {stages} "
+                f"stages")
+    return ""
+
+
+def _stage_inflight(stages: int, micro: int) -> list[float]:
+    """Micro-batches whose activations stage s keeps alive (1F1B)."""
+    return [float(min(stages - s, micro)) for s in range(stages)]
+
+
+def _cut_pipeline(ctx: _Context, group: list[ClusterDevice],
+                  per_layer: list[_Totals], micro_batch: int
+                  ) -> balance.StageCuts:
+    """Stage cuts of one pipeline for micro-batches of `micro_batch`."""
+    stages = len(group)
+    rates = [sum(t.flops for t in per_layer) /
+             _per_example_time(ctx, d, _sum_totals(per_layer))
+             for d in group]
+    state = 0 if ctx.options.offload else 2 + ctx.slots
+    return balance.balance_stages(
+        [t.flops for t in per_layer], rates,
+        [ctx.usable(d) for d in group],
+        [t.params * state for t in per_layer],
+        [t.act * micro_batch for t in per_layer],
+        _stage_inflight(stages, ctx.options.num_micro_batch),
+        [d.profile.name for d in group], order_by_memory=False)
+
+
+def _sum_totals(per_layer: list[_Totals]) -> _Totals:
+    """Totals of several layers' totals (no split parts in pipelines)."""
+    return _Totals(
+        flops=sum(t.flops for t in per_layer),
+        bytes=sum(t.bytes for t in per_layer),
+        act=sum(t.act for t in per_layer),
+        params=sum(t.params for t in per_layer), split_params=0.0,
+        split_flops=0.0, split_bytes=0.0, split_act=0.0, alltoall=0.0,
+        largest_layer_params=max(t.params for t in per_layer),
+        largest_layer_split_params=0.0)
+
+
+def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
+    """Batch per pipeline, proportional to its throughput."""
+    caps = []
+    for group, cut in zip(groups, cuts):
+        slowest = max(_sum_totals(per_layer[a:b]).flops / max(
+            _stage_rate(ctx, d, per_layer), 1e-30)
+            for d, (a, b) in zip(group, cut.bounds))
+        caps.append(1.0 / slowest)
+    return balance.proportional_shares(ctx.global_batch, caps)
+
+
+def _stage_rate(ctx: _Context, device: ClusterDevice,
+                per_layer: list[_Totals]) -> float:
+    """Effective FLOP/s of `device` on this model."""
+    whole = _sum_totals(per_layer)
+    return whole.flops / _per_example_time(ctx, device, whole)
+
+
+def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
+                    ) -> list[DeviceLoad]:
+    """Per-device loads of a pipeline plan, in device index order."""
+    micro, stages = ctx.options.num_micro_batch, len(groups[0])
+    inflight = _stage_inflight(stages, micro)
+    loads = []
+    for s in range(stages):
+        members = [group[s] for group in groups]
+        bandwidth, _ = _slowest_link(members)
+        for r, (group, cut) in enumerate(zip(groups, cuts)):
+            a, b = cut.bounds[s]
+            part = _sum_totals(per_layer[a:b])
+            mb = batch[r] / micro
+            per_mb = [ctx.time(d, _sum_totals(per_layer[x:y]).flops * mb,
+                               _sum_totals(per_layer[x:y]).bytes * mb)
+                      for d, (x, y) in zip(group, cut.bounds)]
+            compute = (micro + stages - 1) * max(per_mb) + ctx.update_time(
+                group[s], part.params)
+            comm = cm.comm_time(part.params, bandwidth, len(groups))
+            host = part.params * (2 + ctx.slots) if ctx.options.offload \
+                else 0.0
+            if ctx.options.offload:
+                comm += 3 * part.params / ctx.options.host_link_bandwidth
+            params = 2 * part.largest_layer_params if ctx.options.offload \
+                else part.params
+            loads.append(DeviceLoad(
+                device=group[s], batch=batch[r], parameters=params,
+                gradients=part.largest_layer_params if ctx.options.offload
+                else part.params,
+                optimizer=0.0 if ctx.options.offload else
+                part.params * ctx.slots,
+                activations=part.act * math.ceil(mb) * inflight[s],
+                usable=ctx.usable(group[s]), compute_s=compute, comm_s=comm,
+                host_bytes=host, host_usable=ctx.options.host_memory_per_device
+                if ctx.options.offload else math.inf,
+                stage=s, layers=(a, b)))
+    return sorted(loads, key=lambda load: load.device.index)
+
+
+# --------------------------------------------------------------------------
+# plan_cluster.
+# --------------------------------------------------------------------------
+
+def _as_model(model: Any, amp_dtype: Any = None) -> ModelSpec:
+    """`model` itself, or the ModelSpec of a graph or TrainingView."""
+    if isinstance(model, ModelSpec):
+        return model
+    if hasattr(model, "taskgraph_of") and hasattr(model, "graph"):
+        return model_from_graph(model.graph, view=model, amp_dtype=amp_dtype)
+    return model_from_graph(model, amp_dtype=amp_dtype)
+
+
+def _as_hosts(hosts: Sequence[HostSpec] | str,
+              overrides: Mapping[str, Any] | None) -> tuple[HostSpec, ...]:
+    """Hosts from a list or a cluster string."""
+    if isinstance(hosts, str):
+        return tuple(parse_cluster(hosts, overrides))
+    hosts = tuple(hosts)
+    if not hosts or not all(isinstance(h, HostSpec) for h in hosts):
+        raise ClusterError(f"expected HostSpecs or a cluster string, got "
+                           f"{hosts!r}")
+    return hosts
+
+
+def _alternatives(ctx: _Context) -> list[Alternative]:
+    """Every alternative the options allow, in listing order."""
+    opts = ctx.options
+    alts = [_data_parallel(ctx, "data-parallel, even split", False, False,
+                           False),
+            _data_parallel(ctx, "data-parallel, balanced by capability",
+                           True, False, False)]
+    if opts.try_checkpointing:
+        alts.append(_data_parallel(
+            ctx, "data-parallel, balanced + gradient checkpointing", True,
+            True, False))
+    if opts.try_zero:
+        alts.append(_data_parallel(ctx, "data-parallel, balanced + ZeRO",
+                                   True, False, True))
+    if opts.try_zero and opts.try_checkpointing:
+        alts.append(_data_parallel(
+            ctx, "data-parallel, balanced + ZeRO + gradient checkpointing",
+            True, True, True))
+    stages = opts.pipeline_stages or (ctx.model.stages
+                                      if ctx.model.stages > 1 else None)
+    if stages and stages > 1:
+        alts.append(_pipeline(ctx, stages, False))
+        if opts.try_checkpointing:
+            alts.append(_pipeline(ctx, stages, True))
+    return alts
+
+
+def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
+             global_batch: int, options: PlanOptions) -> _Context:
+    """Validated evaluation context."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) \
+            or global_batch < 1:
+        raise ConfigError(f"the global batch must be a positive int, got "
+                          f"{global_batch!r}")
+    return _Context(model=model, devices=cluster_devices(hosts),
+                    optimizer=optimizer,
+                    slots=cm.optimizer_slots(optimizer),
+                    global_batch=global_batch, options=options,
+                    dtype=normalize_dtype(options.compute_dtype or
+                                             model.compute_dtype))
+
+
+def plan_cluster(model: Any, hosts: Sequence[HostSpec] | str,
+                 optimizer: str | None = None,
+                 global_batch: int | None = None,
+                 options: PlanOptions | None = None,
+                 overrides: Mapping[str, Any] | None = None,
+                 amp_dtype: Any = None) -> ClusterPlan:
+    """Plan `model` on the cluster `hosts`.
+
+    Args:
+        model: a ModelSpec (layers of numbers), a tf.Graph or GraphDef
+            (one layer per TaskGraph, see `model_from_graph`), or an
+            epl.ir.graph_view.TrainingView.
+        hosts: HostSpecs, or a cluster string ("2x8xV100-32GB,2x8xT4").
+        optimizer: "adam", "sgd", "momentum", ...; default: the model's
+            (read from a graph's apply ops), else "adam".
+        global_batch: examples per step; default the model's batch size,
+            else 32 per device.
+        options: PlanOptions.
+        overrides: `cluster.device_profiles`, when `hosts` is a string.
+        amp_dtype: for graphs: the AMP dtype ("float16"), if any.
+
+    Returns:
+        ClusterPlan with every alternative and the fastest one that fits.
+
+    Raises:
+        ClusterError: the cluster string is bad, or nothing fits; then the
+            message gives each device's shortfall under the closest
+            alternative, what would help, and why each alternative was
+            ruled out.
+        ConfigError: bad optimizer, batch or options.
+    """
+    options = options or PlanOptions()
+    spec = _as_model(model, amp_dtype)
+    optimizer_given = optimizer or spec.optimizer
+    cluster = _as_hosts(hosts, overrides)
+    n = sum(h.devices for h in cluster)
+    batch = global_batch if global_batch is not None else (
+        spec.batch_size or 32 * n)
+    ctx = _context(spec, cluster, optimizer_given or "adam", batch, options)
+    alts = _alternatives(ctx)
+    feasible = [a for a in alts if a.feasible]
+    if not feasible:
+        raise ClusterError(_nothing_fits(ctx, alts))
+    chosen = _choose(feasible)
+    return ClusterPlan(spec, cluster, ctx.optimizer, batch, options,
+                       tuple(alts), chosen)
+
+
+#: Alternatives within this fraction of the fastest count as equally fast;
+#: the simplest of them (earliest in listing order) is chosen.
+CHOICE_TOLERANCE = 0.03
+
+
+def _choose(feasible: Sequence[Alternative]) -> Alternative:
+    """The simplest alternative within CHOICE_TOLERANCE of the fastest."""
+    fastest = min(a.step_time for a in feasible)
+    return next(a for a in feasible
+                if a.step_time <= fastest * (1 + CHOICE_TOLERANCE))
+
+
+# --------------------------------------------------------------------------
+# Nothing fits.
+# --------------------------------------------------------------------------
+
+def _closest(alts: Sequence[Alternative]) -> Alternative | None:
+    """The alternative with the smallest worst relative shortfall."""
+    candidates = [a for a in alts if a.loads]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda a: (max(
+        max(l.shortfall / l.usable, l.host_shortfall / l.host_usable)
+        for l in a.loads), alts.index(a)))
+
+
+def _fits_with(ctx: _Context, **changes: Any) -> bool:
+    """Whether some alternative fits after `changes` to the context."""
+    trial = dataclasses.replace(ctx, **changes)
+    return any(a.feasible for a in _alternatives(trial))
+
+
+def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
+    """What would make the model fit, each checked by re-planning."""
+    out = []
+    if not ctx.options.offload and _fits_with(
+            ctx, options=dataclasses.replace(ctx.options, offload=True)):
+        out.append("offloading parameters, gradients and optimizer state "
+                   "to host memory (PlanOptions(offload=True), epl-plan "
+                   "--offload) makes it fit")
+    if not (ctx.options.try_checkpointing and ctx.options.try_zero):
+        out.append("gradient checkpointing and ZeRO (not tried: enable them)")
+    else:
+        out.append(f"gradient checkpointing and ZeRO were tried; the "
+                   f"closest plan ({closest.name}) uses "
+                   + ("both" if closest.checkpointing and closest.zero else
+                      "checkpointing" if closest.checkpointing else
+                      "ZeRO" if closest.zero else "neither")
+                   + " and is still short")
+    if ctx.options.pipeline_stages is None and len(ctx.model.layers) > 1 \
+            and not ctx.model.split_units:
+        for stages in (2, 4, 8):
+            if stages <= len(ctx.model.layers) and _fits_with(
+                    ctx, options=dataclasses.replace(
+                        ctx.options, pipeline_stages=stages)):
+                out.append(f"a pipeline of {stages} stages "
+                           f"(PlanOptions(pipeline_stages={stages}), "
+                           f"epl-plan --pipeline-stages {stages}) fits")
+                break
+    more = _more_devices(ctx)
+    if more:
+        out.append(more)
+    smaller = _smaller_batch(ctx)
+    if smaller:
+        out.append(smaller)
+    return out
+
+
+def _more_devices(ctx: _Context) -> str:
+    """"k times the devices would fit" when some small multiple does."""
+    hosts = _hosts_of(ctx.devices)
+    for times in (2, 4, 8, 16, 32, 64):
+        if len(ctx.devices) * times > 65536:
+            break
+        trial = [h for _ in range(times) for h in hosts]
+        units = ctx.model.split_units
+        if units and units < len(ctx.devices) * times:
+            break
+        if _fits_with(ctx, devices=cluster_devices(trial)):
+            return (f"more devices: {times}x this cluster "
+                    f"({len(ctx.devices) * times} devices) fits, with ZeRO "
+                    f"and split layers sharded further and the same global "
+                    f"batch")
+    return ""
+
+
+def _hosts_of(devices: Sequence[ClusterDevice]) -> list[HostSpec]:
+    """HostSpecs of a device list."""
+    counts: dict[int, list[ClusterDevice]] = {}
+    for device in devices:
+        counts.setdefault(device.host, []).append(device)
+    return [HostSpec(members[0].profile, len(members))
+            for _, members in sorted(counts.items())]
+
+
+def _smaller_batch(ctx: _Context) -> str:
+    """"a global batch of at most B fits" when a smaller batch does."""
+    if ctx.global_batch <= 1 or not _fits_with(ctx, global_batch=1):
+        return ""
+    low, high = 1, ctx.global_batch - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _fits_with(ctx, global_batch=mid):
+            low = mid
+        else:
+            high = mid - 1
+    return f"a smaller global batch: at most {low} examples fit"
+
+
+def _nothing_fits(ctx: _Context, alts: Sequence[Alternative]) -> str:
+    """The ClusterError message when no alternative fits."""
+    lines = [f"model {ctx.model.name!r} does not fit on this cluster under "
+             f"any plan (global batch {ctx.global_batch}, optimizer "
+             f"{ctx.optimizer}, {len(ctx.devices)} devices)."]
+    closest = _closest(alts)
+    if closest is not None:
+        lines.append(f"Closest plan: {closest.name}. Per device:")
+        items = []
+        for load in closest.loads:
+            items.append((load.device.index, load.device.profile.name,
+                          _shortfall_text(load)))
+        lines += ["  " + line for line in balance.grouped_lines(items)]
+        lines.append("What would help:")
+        lines += [f"  - {text}" for text in _remedies(ctx, closest)]
+    lines.append("Rejected plans:")
+    lines += [f"  - {a.name}: {a.reason}" for a in alts]
+    return "\n".join(lines)
+
+
+def _shortfall_text(load: DeviceLoad) -> str:
+    """One device's need against its memory."""
+    parts = (f"parameters {gb(load.parameters)}, gradients "
+             f"{gb(load.gradients)}, optimizer {gb(load.optimizer)}, "
+             f"activations {gb(load.activations)}")
+    if load.shortfall > 0:
+        text = (f"needs {gb(load.total)} with {gb(load.usable)} usable: "
+                f"short by {gb(load.shortfall)} ({parts})")
+    else:
+        text = f"needs {gb(load.total)} with {gb(load.usable)} usable: fits"
+    if load.host_shortfall > 0:
+        text += (f"; host memory {gb(load.host_bytes)} with "
+                 f"{gb(load.host_usable)}: short by "
+                 f"{gb(load.host_shortfall)}")
+    return text
+
+
+# --------------------------------------------------------------------------
+# explain().
+# --------------------------------------------------------------------------
+
+def _ms(seconds: float) -> str:
+    """Seconds as milliseconds: one decimal, or 3 significant digits below
+    10 ms."""
+    ms = seconds * 1e3
+    if ms == 0 or ms >= 10:
+        return f"{ms:.1f}"
+    return f"{ms:.3g}"
+
+
+def _flops_text(flops: float) -> str:
+    """"70.2 GFLOP", "812 kFLOP"..."""
+    for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"),
+                        (1e6, "MFLOP"), (1e3, "kFLOP")):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
+
+
+def _num(value: float) -> str:
+    """GB figure for the table (binary GB, one decimal; "<0.1" for tiny)."""
+    g = value / GiB
+    return "0" if value == 0 else ("<0.1" if g < 0.05 else f"{g:.1f}")
+
+
+def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
+    """The per-device table of `alt`, identical rows collapsed."""
+    offload = plan.options.offload
+    split = plan.model.split_units > 0
+    pipeline = alt.pipeline_stages > 1
+    header = ["devices", "hosts", "profile", "batch"]
+    header += ["shards"] if split else []
+    header += ["stage", "layers"] if pipeline else []
+    header += ["params", "grads", "optim", "activ", "total/usable GB"]
+    header += ["host GB"] if offload else []
+    header += ["compute ms", "comm ms"]
+    rows: dict[tuple, list[ClusterDevice]] = {}
+    for load in alt.loads:
+        row = [load.device.profile.name, str(load.batch)]
+        row += [str(load.shards)] if split else []
+        if pipeline:
+            a, b = load.layers
+            row += [str(load.stage), f"{a}-{b - 1}"]
+        row += [_num(load.parameters), _num(load.gradients),
+                _num(load.optimizer), _num(load.activations),
+                f"{load.total / GiB:.1f}/{load.usable / GiB:.1f}"]
+        row += [f"{_num(load.host_bytes)}/{load.host_usable / GiB:.0f}"] \
+            if offload else []
+        row += [_ms(load.compute_s), _ms(load.comm_s)]
+        rows.setdefault(tuple(row), []).append(load.device)
+    body = []
+    for row, devices in rows.items():
+        body.append([index_ranges([d.index for d in devices]),
+                     index_ranges(sorted({d.host for d in devices})),
+                     *row])
+    return _columns([header] + body)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Left-aligned text columns."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+            for row in rows]
+
+
+def _cluster_line(plan: ClusterPlan) -> str:
+    """"Cluster: 2 hosts, 8 devices (...); slowest link ..."."""
+    devices = cluster_devices(plan.hosts)
+    groups: list[list] = []
+    for h, host in enumerate(plan.hosts):
+        if groups and groups[-1][1] == host.profile.name and \
+                groups[-1][2] == host.devices:
+            groups[-1][0].append(h)
+        else:
+            groups.append([[h], host.profile.name, host.devices])
+    parts = [f"host{'s' if len(hs) > 1 else ''} {index_ranges(hs)}: "
+             f"{count} x {name}" for hs, name, count in groups]
+    bandwidth, kind = _slowest_link(devices)
+    return (f"Cluster: {len(plan.hosts)} host(s), {len(devices)} devices "
+            f"({'; '.join(parts)}); slowest link {bandwidth / 1e9:.1f} GB/s "
+            f"({kind})")
+
+
+def _model_line(plan: ClusterPlan) -> str:
+    """One line describing the model."""
+    m = plan.model
+    params = m.num_parameters
+    count = f"{params / 1e12:.2f} T" if params >= 1e12 else \
+        f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+    split = f", {m.split_units} experts per split layer" if m.split_units \
+        else ""
+    size = gb(m.parameter_bytes) if m.parameter_bytes < 1024 * GiB else \
+        f"{m.parameter_bytes / GiB / 1024:.1f} TB"
+    return (f"Model: {m.name}: {len(m.layers)} layer(s), {count} parameters "
+            f"({size}){split}; "
+            f"{_flops_text(m.flops_per_example)} per example (forward + "
+            f"backward); optimizer {plan.optimizer}; global batch "
+            f"{plan.global_batch}; compute dtype "
+            f"{plan.options.compute_dtype or m.compute_dtype}"
+            + ("; parameters and optimizer state offloaded to host memory"
+               if plan.options.offload else ""))
+
+
+def _alternative_line(plan: ClusterPlan, alt: Alternative) -> str:
+    """One line per alternative: time and verdict."""
+    if alt is plan.chosen:
+        verdict = "chosen"
+    elif alt.feasible:
+        ratio = alt.step_time / plan.chosen.step_time
+        verdict = f"fits, not chosen: {ratio:.2f}x the chosen step time"
+    else:
+        verdict = f"rejected: {alt.reason}"
+    time = f"{_ms(alt.step_time)} ms" if alt.feasible else "-"
+    return f"  {alt.name:<58} {time:>12}  {verdict}"
+
+
+def _explain(plan: ClusterPlan) -> str:
+    """The text of ClusterPlan.explain()."""
+    chosen = plan.chosen
+    lines = [_model_line(plan), _cluster_line(plan), ""]
+    lines.append(f"Chosen plan: {chosen.name}: predicted step "
+                 f"{_ms(chosen.step_time)} ms (slowest device: compute "
+                 f"{_ms(max(l.compute_s for l in chosen.loads))} ms, "
+                 f"communication {_ms(max(l.comm_s for l in chosen.loads))} "
+                 f"ms)")
+    if chosen.pipeline_stages > 1:
+        lines.append(f"  {chosen.num_micro_batch} micro-batches per step; "
+                     f"earlier stages on devices with more memory")
+    lines.append(f"  batch sizes per replica: {_batch_summary(chosen)}")
+    lines.append("")
+    lines += _table(plan, chosen)
+    lines.append("")
+    lines.append("Alternatives (predicted step time):")
+    lines += [_alternative_line(plan, alt) for alt in plan.alternatives]
+    notes = list(plan.model.notes)
+    if chosen.pipeline_stages > 1:
+        notes.append("pipeline: the activations sent between stages are "
+                     "not counted in communication")
+    if plan.options.offload:
+        notes.append("offload: params and grads on the device are working "
+                     "buffers (the largest layer's, parameters double-"
+                     "buffered); host GB holds parameters, gradients and "
+                     "optimizer state; the optimizer update runs on the "
+                     "host; comm includes host <-> device copies at "
+                     f"{plan.options.host_link_bandwidth / 1e9:.0f} GB/s")
+    notes.append("GB are binary (GiB); usable = "
+                 f"{plan.options.usable_fraction:.0%} of device memory; "
+                 f"compute at {plan.options.efficiency:.0%} of peak; "
+                 "communication not overlapped with compute")
+    lines.append("")
+    lines += [f"Note: {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def _batch_summary(alt: Alternative) -> str:
+    """Batch sizes as "86 x4, 42 x4" (runs of equal values)."""
+    sizes = alt.batch_sizes
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return ", ".join(f"{s} x{c}" if c > 1 else str(s) for s, c in runs) + \
+        f" (sum {sum(sizes)})"
+
+
+# --------------------------------------------------------------------------
+# Local replica weights (for epl.parallelize).
+# --------------------------------------------------------------------------
+
+def replica_weights_for_local_devices(model: Any,
+                                      profiles: Sequence[DeviceProfile],
+                                      global_batch: int | None = None,
+                                      optimizer: str | None = None,
+                                      device_counts: Sequence[int] | None
+                                      = None,
+                                      options: PlanOptions | None = None
+                                      ) -> list[float]:
+    """Batch shares of the local replicas from their devices' profiles.
+
+    Args:
+        model: a TrainingView (preferred: phases, TaskGraphs and batch size
+            come from the analysis), a tf.Graph/GraphDef or a ModelSpec.
+        profiles: one profile per local device, in device order (e.g.
+            `epl.profiles.virtual_cpu_profiles(n, cluster.device_profiles)`).
+        global_batch: the global batch size; default the model's static
+            batch.  When unknown, shares follow capability alone (no
+            memory check, not rounded to whole examples).
+        optimizer: default read from the graph's apply ops, else "adam".
+        device_counts: devices per replica of each TaskGraph, in order
+            (default from the view's TaskGraph specs, else 1); the layout is
+            epl.planner.plan's: replica r spans the devices
+            r*k .. r*k+k-1 with k = sum(device_counts).
+        options: PlanOptions (efficiency, usable memory, ...).
+
+    Returns:
+        One positive weight per replica, summing to 1: the balanced batch
+        sizes divided by the global batch.  A replica spanning several
+        devices runs at the speed of the sum of its TaskGraphs' times on
+        their devices, and is limited by its tightest device's memory.
+
+    Raises:
+        ClusterError: the devices do not divide into replicas, or the batch
+            fits nowhere (per-device shortfall and what would help).
+    """
+    options = options or PlanOptions()
+    view = model if hasattr(model, "taskgraph_of") else None
+    spec = _as_model(model)
+    optimizer = optimizer or spec.optimizer
+    counts = list(device_counts or (
+        [tg.spec.device_count for tg in view.taskgraphs] if view else [1]))
+    per_replica = sum(counts)
+    if per_replica < 1 or len(profiles) % per_replica:
+        raise ClusterError(
+            f"{len(profiles)} local devices do not divide into replicas of "
+            f"{per_replica} device(s)")
+    replicas = len(profiles) // per_replica
+    groups = _replica_layers(spec, counts)
+    batch = global_batch or spec.batch_size
+    caps, per_example, fixed, usable, names = [], [], [], [], []
+    slots = cm.optimizer_slots(optimizer or "adam")
+    dtype = normalize_dtype(options.compute_dtype or spec.compute_dtype)
+    for r in range(replicas):
+        devices = profiles[r * per_replica:(r + 1) * per_replica]
+        seconds, tight = 0.0, None
+        for offset, layers in groups:
+            profile = devices[offset]
+            totals = _totals(layers, False)
+            seconds += cm.predict_time(
+                cm.GroupCost(flops=totals.flops, bytes=totals.bytes),
+                profile, dtype, options.efficiency) if totals.flops or \
+                totals.bytes else 0.0
+            room = profile.memory_bytes * options.usable_fraction
+            state = totals.params * (2 + slots)
+            ratio = (room - state) / totals.act if totals.act else math.inf
+            if tight is None or ratio < tight[0]:
+                tight = (ratio, totals.act, state, room, profile.name)
+        caps.append(1.0 / seconds if seconds > 0 else 1.0)
+        per_example.append(tight[1])
+        fixed.append(tight[2])
+        usable.append(tight[3])
+        names.append(tight[4])
+    if not batch:
+        total = sum(caps)
+        return [c / total for c in caps]
+    shares = balance.balance_batch(batch, caps, per_example, fixed, usable,
+                                   names)
+    sizes = list(shares.sizes)
+    if batch >= len(sizes):
+        # Every replica of the layout must get at least one example: a slow
+        # device that is not worth its share still gets one (from the largest).
+        while 0 in sizes:
+            sizes[sizes.index(0)] += 1
+            sizes[sizes.index(max(sizes))] -= 1
+        return [size / batch for size in sizes]
+    if any(size == 0 for size in shares.sizes):
+        raise ClusterError(
+            f"the balanced plan gives replica(s) "
+            f"{index_ranges([i for i, s in enumerate(shares.sizes) if not s])}"
+            f" no examples of the global batch of {batch} "
+            f"(sizes {list(shares.sizes)}); use a larger global batch or "
+            f"fewer devices")
+    return [size / batch for size in shares.sizes]
+
+
+def _replica_layers(spec: ModelSpec, counts: list[int]
+                    ) -> list[tuple[int, list[LayerSpec]]]:
+    """(device offset within a replica, layers) per TaskGraph/stage.
+
+    Layers are matched to TaskGraphs by their stage index; a model with
+    fewer stages than TaskGraphs puts everything on the first device.
+    """
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    by_stage: dict[int, list[LayerSpec]] = {}
+    for layer in spec.layers:
+        stage = layer.stage if layer.stage < len(counts) else 0
+        by_stage.setdefault(stage, []).append(layer)
+    return [(offsets[stage], layers) for stage, layers in
+            sorted(by_stage.items())]
+
+
+def local_replica_weights(view: Any, cluster: Any, config: Any
+                          ) -> list[float] | None:
+    """What epl.parallelize passes to make_plan as replica_weights.
+
+    None (even shares) unless `cluster.device_profiles` is configured;
+    then the local devices' profiles (virtual CPU devices through
+    `virtual_cpu_profiles`, GPUs through `detect_profile`) give the shares
+    of `replica_weights_for_local_devices`.  None as well when every
+    replica gets the same share.
+    """
+    from epl import profiles as profiles_lib
+    overrides = config.get("cluster.device_profiles") or {}
+    if not overrides:
+        return None
+    n = cluster.num_local_devices
+    if cluster.device_type == "CPU":
+        profiles = profiles_lib.virtual_cpu_profiles(n, overrides)
+    else:
+        profiles = [_gpu_profile(i, overrides) for i in range(n)]
+    if len(set(profiles)) == 1:
+        return None
+    weights = replica_weights_for_local_devices(
+        view, profiles, view.global_batch_size)
+    first = weights[0]
+    if all(math.isclose(w, first, rel_tol=1e-12) for w in weights):
+        return None
+    return weights
+
+
+def _gpu_profile(index: int, overrides: Mapping[str, Any]) -> DeviceProfile:
+    """The profile of local GPU `index` (from TensorFlow's device details)."""
+    import tensorflow as tf
+
+    from epl import profiles as profiles_lib
+    gpus = tf.config.list_physical_devices("GPU")
+    details = tf.config.experimental.get_device_details(gpus[index]) \
+        if index < len(gpus) else {}
+    return profiles_lib.detect_profile(f"/device:GPU:{index}",
+                                       details.get("device_name", ""),
+                                       overrides)

@@ -1,0 +1,517 @@
+"""Tests of the hardware-aware planner: balancing, plans, explain, epl-plan."""
+import re
+
+import pytest
+import tensorflow as tf
+
+import epl
+from epl import env
+from epl.errors import ClusterError
+from epl.planner import balance
+from epl.planner.balance import (balance_batch, balance_shards,
+                                 balance_stages, proportional_shares)
+from epl.planner.planner import (LayerSpec, ModelSpec, PlanOptions,
+                                 model_from_graph, plan_cluster,
+                                 replica_weights_for_local_devices)
+from epl.profiles import virtual_cpu_profiles
+from tools import epl_plan
+
+GiB = float(1 << 30)
+FAST_SLOW = ["V100", "V100", "T4", "T4"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_epl():
+    env.reset()
+    yield
+    env.reset()
+
+
+def _model(layers=4, act_gb=0.05, params_gb=0.025, gflop=100.0, name="toy"):
+    """A ModelSpec of identical layers (per-example figures)."""
+    return ModelSpec(name, tuple(
+        LayerSpec(f"layer_{i}", flops_per_example=gflop * 1e9,
+                  activation_bytes_per_example=act_gb * GiB,
+                  parameter_bytes=params_gb * GiB)
+        for i in range(layers)))
+
+
+# ------------------------------------------------------------ balance_batch --
+
+def test_batch_shares_follow_capability():
+    shares = balance_batch(12, [2.0, 2.0, 1.0, 1.0])
+    assert shares.sizes == (4, 4, 2, 2)
+    assert shares.moves == ()
+    assert shares.weights == (4 / 12, 4 / 12, 2 / 12, 2 / 12)
+    # largest remainder: 100 * 2/6 = 33.33.., 100 * 1/6 = 16.67 -> 33,33,17,17
+    assert balance_batch(100, [2.0, 2.0, 1.0, 1.0]).sizes == (33, 33, 17, 17)
+
+
+def test_rounding_ties_go_to_faster_then_lower_index():
+    assert proportional_shares(3, [1.0, 1.0, 1.0, 1.0]) == [1, 1, 1, 0]
+    assert proportional_shares(10, [3.0, 1.0]) == [8, 2]  # 7.5/2.5: faster
+    assert proportional_shares(1, [1.0, 2.0]) == [0, 1]
+
+
+def test_tight_memory_on_fast_devices_moves_load_to_slow_ones():
+    # 2 fast (2x) + 2 slow; the fast ones hold only 5 examples each.
+    shares = balance_batch(24, [2.0, 2.0, 1.0, 1.0],
+                           memory_per_example=1 * GiB, fixed_memory=2 * GiB,
+                           capacity=[7 * GiB, 7 * GiB, 20 * GiB, 20 * GiB],
+                           names=FAST_SLOW)
+    assert shares.sizes == (5, 5, 7, 7)
+    assert sum(shares.sizes) == 24
+    assert all(m <= c for m, c in zip(shares.memory, shares.capacity))
+    # one example at a time to whichever slow device finishes first
+    assert shares.moves == (balance.Move(0, 2, 2), balance.Move(0, 3, 1),
+                            balance.Move(1, 3, 2), balance.Move(1, 2, 1))
+    assert shares.makespan == 7.0
+
+
+def test_moved_load_goes_to_least_loaded_device():
+    # device 0 overflows by 3; device 2 (fast, idle) finishes first.
+    shares = balance_batch(12, [1.0, 1.0, 4.0], memory_per_example=1.0,
+                           capacity=[1.0, 100.0, 100.0])
+    assert shares.sizes == (1, 2, 9)
+
+
+def test_fixed_time_makes_devices_finish_together():
+    shares = balance_batch(10, [1.0, 1.0], fixed_time=[4.0, 0.0])
+    assert shares.sizes == (3, 7)
+    assert shares.times == (7.0, 7.0)
+
+
+def test_nothing_fits_names_each_shortfall_and_remedies():
+    with pytest.raises(ClusterError) as err:
+        balance_batch(100, [2.0, 2.0, 1.0, 1.0], memory_per_example=GiB,
+                      fixed_memory=2 * GiB,
+                      capacity=[16 * GiB, 16 * GiB, 8 * GiB, 8 * GiB],
+                      names=FAST_SLOW)
+    assert str(err.value) == (
+        "the global batch of 100 examples does not fit in device memory: the "
+        "devices hold at most 40 of the 100 examples. At each device's "
+        "capability share:\n"
+        "  devices 0-1 (V100): 33 examples need 35.0 GB (2.0 GB fixed + "
+        "33.0 GB for the examples) with 16.0 GB available: short by 19.0 GB\n"
+        "  devices 2-3 (T4): 17 examples need 19.0 GB (2.0 GB fixed + 17.0 GB "
+        "for the examples) with 8.0 GB available: short by 11.0 GB\n"
+        "What would help: gradient checkpointing (activations take up to "
+        "33.0 GB per device and shrink to about the square root of the number "
+        "of layers' worth); ZeRO or offloading parameters and optimizer state "
+        "to host memory (fixed memory is up to 2.0 GB per device); more "
+        "devices (about 5 more like the roomiest one, which holds 14 "
+        "examples); a smaller global batch (at most 40 examples fit).")
+
+
+def test_model_alone_over_capacity_is_named():
+    with pytest.raises(ClusterError) as err:
+        balance_batch(8, [1.0, 1.0], memory_per_example=0.1 * GiB,
+                      fixed_memory=[4 * GiB, 20 * GiB],
+                      capacity=[16 * GiB, 15 * GiB], names=["V100", "T4"])
+    text = str(err.value)
+    assert ("device 1 (T4): 20.0 GB before any example (parameters, "
+            "gradients, optimizer state) with 15.0 GB available: short by "
+            "5.0 GB") in text
+    assert "pipeline or split parallelism" in text
+    assert "smaller global batch" not in text
+
+
+def test_bad_balance_inputs():
+    with pytest.raises(ClusterError, match="capabilities must be positive"):
+        balance_batch(4, [1.0, 0.0])
+    with pytest.raises(ClusterError, match="3 values for 2 devices"):
+        balance_batch(4, [1.0, 1.0], fixed_memory=[1.0, 2.0, 3.0])
+
+
+# ------------------------------------------------------ shards and stages --
+
+def test_shard_sizes_follow_capability_with_at_least_one_each():
+    assert balance_shards(10, [3.0, 1.0]).sizes == (8, 2)
+    assert balance_shards(32, [2.5] * 2 + [1.0] * 2).sizes == (11, 11, 5, 5)
+    assert balance_shards(4, [10.0, 1.0, 1.0, 1.0]).sizes == (1, 1, 1, 1)
+    with pytest.raises(ClusterError, match="cannot be split into 4 shards"):
+        balance_shards(3, [1.0] * 4)
+
+
+def test_shards_move_off_a_device_without_memory():
+    shards = balance_shards(12, [3.0, 1.0], memory_per_unit=GiB,
+                            capacity=[4 * GiB, 100 * GiB])
+    assert shards.sizes == (4, 8)
+
+
+def test_stage_cuts_balance_capability_and_put_memory_first():
+    cuts = balance_stages([1.0] * 6, [2.0, 1.0], stage_memory=[100.0, 200.0],
+                          layer_memory=[10.0] * 6)
+    assert cuts.devices == (1, 0)  # more memory first
+    assert cuts.bounds == ((0, 2), (2, 6))  # the 2x faster device: 4 layers
+    assert cuts.times == (2.0, 2.0)
+    assert cuts.memory == (20.0, 40.0)
+
+
+def test_stage_cuts_respect_memory_and_in_flight_activations():
+    # stage 0 keeps 2 micro-batches alive: its cut shrinks to fit.
+    cuts = balance_stages([1.0] * 4, [1.0, 1.0], stage_memory=[6.0, 6.0],
+                          layer_activation_memory=[2.0] * 4,
+                          activation_multiplier=[2.0, 1.0])
+    assert cuts.bounds == ((0, 1), (1, 4))
+    assert cuts.memory == (4.0, 6.0)
+
+
+def test_stage_cuts_that_fit_nowhere_say_which_stage_needs_what():
+    with pytest.raises(ClusterError) as err:
+        balance_stages([1.0] * 4, [1.0, 1.0],
+                       stage_memory=[15 * GiB, 16 * GiB],
+                       layer_memory=[10 * GiB] * 4, names=["T4", "V100"])
+    assert str(err.value).splitlines()[:3] == [
+        "no pipeline cut fits in device memory. In the fastest cut:",
+        "  stage 0 (layers 0-1) needs 20.0 GB on device 1 (V100) with 16.0 GB "
+        "available: short by 4.0 GB",
+        "  stage 1 (layers 2-3) needs 20.0 GB on device 0 (T4) with 15.0 GB "
+        "available: short by 5.0 GB"]
+    assert "What would help: gradient checkpointing" in str(err.value)
+
+
+# ----------------------------------------------------------- plan_cluster --
+
+def test_plan_balances_a_mixed_cluster_by_capability():
+    plan = plan_cluster(_model(), "1x2xV100-32GB,1x2xT4", "sgd", 60)
+    balanced = plan.alternative("data-parallel, balanced by capability")
+    even = plan.alternative("data-parallel, even split")
+    sizes = balanced.batch_sizes
+    assert sum(sizes) == 60 and sizes[0] == sizes[1] and sizes[2] == sizes[3]
+    assert sizes[0] / sizes[2] == pytest.approx(15.7 / 8.1, rel=0.1)
+    assert even.batch_sizes == [15, 15, 15, 15]
+    assert balanced.step_time < even.step_time
+    assert plan.chosen.feasible
+    assert abs(sum(plan.replica_weights) - 1) < 1e-12
+
+
+def test_plan_moves_load_when_fast_devices_run_short_of_memory():
+    # A fast device whose memory is small (override) gets fewer examples.
+    # An A100 with 14 GiB: 1 GiB per example, 0.4 GiB fixed -> 12 examples.
+    overrides = {"FastSmall": {"base": "A100-40GB", "memory_bytes": "14GiB"}}
+    plan = plan_cluster(_model(act_gb=0.25, params_gb=0.05),
+                        "1x2xFastSmall,1x2xT4", "sgd", 40,
+                        overrides=overrides)
+    balanced = plan.alternative("data-parallel, balanced by capability")
+    assert balanced.feasible
+    # capability share of a fast device: 40 * 19.5 / (2 * 27.6) = 14.1
+    assert balanced.batch_sizes == [12, 12, 8, 8]
+    assert all(load.total <= load.usable for load in balanced.loads)
+    unlimited = plan_cluster(_model(act_gb=0.25, params_gb=0.05),
+                             "1x2xA100-40GB,1x2xT4", "sgd", 40)
+    assert unlimited.alternative(balanced.name).batch_sizes == [14, 14, 6, 6]
+
+
+def test_explain_prints_table_chosen_plan_and_rejections():
+    plan = plan_cluster(_model(act_gb=0.25, params_gb=0.05),
+                        "1x2xV100-32GB,1x2xT4", "adam", 64)
+    text = plan.explain()
+    assert re.search(r"^devices\s+hosts\s+profile\s+batch\s+params\s+grads"
+                     r"\s+optim\s+activ\s+total/usable GB\s+compute ms\s+"
+                     r"comm ms$", text, re.M)
+    assert re.search(r"^0-1\s+0\s+V100-32GB\s+\d+", text, re.M)
+    assert re.search(r"^2-3\s+1\s+T4\s+\d+", text, re.M)
+    assert f"Chosen plan: {plan.chosen.name}: predicted step" in text
+    even = plan.alternative("data-parallel, even split")
+    assert not even.feasible
+    assert even.reason == (
+        "device 2 needs 16.8 GB on a 16.0 GB T4 (15.2 GB usable) for 16 "
+        "examples: parameters 0.2 GB, gradients 0.2 GB, optimizer 0.4 GB, "
+        "activations 16.0 GB (and 1 more device)")
+    assert f"rejected: {even.reason}" in text
+    assert plan.chosen.name != even.name
+
+
+def test_plan_is_deterministic():
+    first = plan_cluster(_model(), "1x4xV100-32GB,1x4xT4", "adam", 256)
+    second = plan_cluster(_model(), "1x4xV100-32GB,1x4xT4", "adam", 256)
+    assert first.explain() == second.explain()
+    assert first.batch_sizes == second.batch_sizes
+
+
+def test_nothing_fits_says_by_how_much_and_what_would_help():
+    with pytest.raises(ClusterError) as err:
+        plan_cluster(_model(layers=8, act_gb=0.25, params_gb=0.5),
+                     "1x2xT4", "adam", 64)
+    lines = str(err.value).splitlines()
+    assert lines[:9] == [
+        "model 'toy' does not fit on this cluster under any plan (global "
+        "batch 64, optimizer adam, 2 devices).",
+        "Closest plan: data-parallel, balanced + ZeRO + gradient "
+        "checkpointing. Per device:",
+        "  devices 0-1 (T4): needs 50.0 GB with 15.2 GB usable: short by "
+        "34.8 GB (parameters 4.0 GB, gradients 2.0 GB, optimizer 4.0 GB, "
+        "activations 40.0 GB)",
+        "What would help:",
+        "  - gradient checkpointing and ZeRO were tried; the closest plan "
+        "(data-parallel, balanced + ZeRO + gradient checkpointing) uses both "
+        "and is still short",
+        "  - more devices: 8x this cluster (16 devices) fits, with ZeRO and "
+        "split layers sharded further and the same global batch",
+        "  - a smaller global batch: at most 8 examples fit",
+        "Rejected plans:",
+        "  - data-parallel, even split: device 0 needs 80.0 GB on a 16.0 GB "
+        "T4 (15.2 GB usable) for 32 examples: parameters 4.0 GB, gradients "
+        "4.0 GB, optimizer 8.0 GB, activations 64.0 GB (and 1 more device)"]
+
+
+def test_offload_is_suggested_when_it_would_fit():
+    with pytest.raises(ClusterError) as err:
+        plan_cluster(_model(layers=8, act_gb=0.001, params_gb=1.0),
+                     "1x2xT4", "adam", 8)
+    assert ("  - offloading parameters, gradients and optimizer state to host "
+            "memory (PlanOptions(offload=True), epl-plan --offload) makes it "
+            "fit") in str(err.value).splitlines()
+
+
+def test_pipeline_stages_put_earlier_stages_on_bigger_memory():
+    plan = plan_cluster(_model(layers=6), "1x2xT4,1x2xV100-32GB", "sgd", 16,
+                        PlanOptions(pipeline_stages=2, num_micro_batch=4))
+    pipe = plan.alternative("pipeline, 2 stages")
+    assert pipe.feasible
+    stage_of = {load.device.index: load.stage for load in pipe.loads}
+    assert stage_of == {0: 1, 1: 1, 2: 0, 3: 0}  # V100s (32 GB) first
+    layers = {load.stage: load.layers for load in pipe.loads}
+    assert layers[0][1] - layers[0][0] > layers[1][1] - layers[1][0]
+    assert "stage  layers" in plan.explain() or pipe is not plan.chosen
+
+
+def test_offload_keeps_state_in_host_memory():
+    model = _model(layers=4, act_gb=0.01, params_gb=4.0)
+    with pytest.raises(ClusterError):
+        plan_cluster(model, "1x2xV100-32GB", "adam", 8)
+    plan = plan_cluster(model, "1x2xV100-32GB", "adam", 8,
+                        PlanOptions(offload=True))
+    load = plan.chosen.loads[0]
+    assert load.host_bytes >= 16 * GiB * 2 - 1
+    assert load.total < 32 * GiB
+    assert "host GB" in plan.explain()
+
+
+def test_split_layers_shard_units_by_capability():
+    layer = LayerSpec("moe", flops_per_example=1e9, parameter_bytes=GiB,
+                      split_parameter_bytes=8 * GiB,
+                      split_flops_per_example=1e10)
+    model = ModelSpec("moe", (layer,) * 2, split_units=16)
+    plan = plan_cluster(model, "1x2xA100-80GB,1x2xT4", "sgd", 64)
+    loads = plan.alternative("data-parallel, balanced by capability").loads
+    assert sum(l.shards for l in loads) == 16
+    assert loads[0].shards > loads[2].shards >= 1
+    even = plan.alternative("data-parallel, even split").loads
+    assert [l.shards for l in even] == [4, 4, 4, 4]
+
+
+# ------------------------------------------------------------ from graphs --
+
+def _one_stage_graph(batch=12):
+    """An EPL graph with one TaskGraph; returns (graph, view)."""
+    from epl.ir.graph_view import analyze
+    from epl.ir.taskgraph import graph_state
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [batch, 16])
+        with epl.replicate(device_count=1, name="body"):
+            w = tf.compat.v1.get_variable("w", [16, 4])
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return graph, analyze(graph, graph_state(graph))
+
+
+def _two_stage_graph(batch=8):
+    """An EPL graph with two TaskGraphs; returns (graph, view)."""
+    from epl.ir.graph_view import analyze
+    from epl.ir.taskgraph import graph_state
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [batch, 16])
+        y = tf.compat.v1.placeholder(tf.int64, [batch])
+        with epl.replicate(device_count=1, name="stage_0"):
+            w1 = tf.compat.v1.get_variable("w1", [16, 32])
+            hidden = tf.nn.relu(tf.matmul(x, w1))
+        with epl.replicate(device_count=1, name="stage_1"):
+            w2 = tf.compat.v1.get_variable("w2", [32, 4])
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=tf.matmul(hidden, w2)))
+        tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
+    return graph, analyze(graph, graph_state(graph))
+
+
+def test_model_from_graph_has_one_layer_per_taskgraph():
+    graph, view = _two_stage_graph()
+    model = model_from_graph(graph, view=view)
+    assert [l.name for l in model.layers] == ["stage_0", "stage_1"]
+    assert model.batch_size == 8
+    first = model.layers[0]
+    # forward: matmul 2*16*32 + relu 32; backward: relu grad 32 and both
+    # matmul gradients (TF builds the one for the placeholder too)
+    assert first.flops_per_example == 3 * 2 * 16 * 32 + 2 * 32
+    assert first.parameter_bytes == 16 * 32 * 4
+    assert first.activation_bytes_per_example == (16 + 32) * 4
+    plan = plan_cluster(view, "1x2xV100-32GB")
+    assert plan.optimizer == "adam"  # read from the apply ops
+    assert "pipeline, 2 stages" in [a.name for a in plan.alternatives]
+
+
+def test_saved_graph_gives_the_same_description_as_the_live_one():
+    graph, view = _two_stage_graph()
+    live = model_from_graph(graph, view=view)
+    saved = model_from_graph(graph.as_graph_def())
+    for a, b in zip(saved.layers, live.layers):
+        assert a.name == b.name and a.parameter_bytes == b.parameter_bytes
+        assert a.activation_bytes_per_example == b.activation_bytes_per_example
+        # the loss's Mean is not needed by the backward ops: "other" there
+        assert a.flops_per_example == pytest.approx(b.flops_per_example,
+                                                    abs=1.0)
+    assert saved.batch_size == 8 and saved.optimizer == "adam"
+
+
+def test_local_replica_weights_from_virtual_device_profiles():
+    graph, view = _two_stage_graph(batch=12)
+    profiles = virtual_cpu_profiles(
+        4, {"CPU:0": "V100-32GB", "CPU:1": "V100-32GB", "CPU:2": "T4",
+            "CPU:3": "T4"})
+    weights = replica_weights_for_local_devices(view, profiles, 12,
+                                                device_counts=[1])
+    assert sum(weights) == pytest.approx(1.0)
+    assert [round(w * 12) for w in weights] == [4, 4, 2, 2]
+    # a replica of two TaskGraphs spans 2 devices: 2 replicas
+    weights = replica_weights_for_local_devices(view, profiles, 12)
+    assert len(weights) == 2 and weights[0] > weights[1]
+
+
+def test_local_replica_weights_follow_cluster_device_profiles():
+    from epl.cluster import Cluster
+    from epl.planner.plan import make_plan
+    from epl.planner.planner import local_replica_weights
+    graph, view = _one_stage_graph(batch=12)
+    cluster = Cluster("CPU", 2)
+    plain = epl.Config({"cluster.virtual_devices": 2})
+    assert local_replica_weights(view, cluster, plain) is None
+    mixed = epl.Config({"cluster.virtual_devices": 2, "cluster.device_profiles":
+                        {"CPU:0": "V100-32GB", "CPU:1": "T4"}})
+    weights = local_replica_weights(view, cluster, mixed)
+    # this tiny matmul is memory-bound: 900 vs 320 GB/s -> 9 : 3
+    assert weights == [9 / 12, 3 / 12]
+    plan = make_plan(view.taskgraphs, cluster, weights)
+    assert plan.batch_sizes(12) == [9, 3]
+
+
+# ------------------------------------------------------------------ CLI --
+
+def _cli(capsys, *argv):
+    code = epl_plan.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_plans_bert_base_on_a_mixed_cluster(capsys):
+    code, out, err = _cli(capsys, "--cluster", "1x4xV100-32GB,1x4xT4",
+                          "--model", "bert-base")
+    assert code == 0, err
+    assert out.startswith("Model: bert-base: 14 layer(s), 109.8 M parameters")
+    assert "Cluster: 2 host(s), 8 devices (host 0: 4 x V100-32GB; host 1: " \
+           "4 x T4)" in out
+    assert re.search(r"^devices\s+hosts\s+profile\s+batch", out, re.M)
+    assert re.search(r"^0-3\s+0\s+V100-32GB\s+42\s", out, re.M)
+    assert re.search(r"^4-7\s+1\s+T4\s+22\s", out, re.M)
+    assert "Chosen plan: data-parallel, balanced by capability" in out
+    assert "data-parallel, even split" in out
+
+
+def test_cli_bad_cluster_spec_points_at_the_token(capsys):
+    code, out, err = _cli(capsys, "--cluster", "2x8xV100-32GB,,2x8xT4",
+                          "--model", "bert-base")
+    assert code == 2 and out == ""
+    assert err.startswith("epl-plan: error: cannot parse cluster spec "
+                          "'2x8xV100-32GB,,2x8xT4':\n  2x8xV100-32GB,,2x8xT4\n"
+                          "                ^\nempty token")
+
+
+def test_cli_unknown_device_lists_known_profiles(capsys):
+    code, out, err = _cli(capsys, "--cluster", "1x4xV200", "--model",
+                          "resnet50")
+    assert code == 2
+    assert "unknown device profile 'V200'. Known profiles: ['A10'," in err
+    assert "cluster.device_profiles" in err
+
+
+def test_cli_unknown_device_with_override_works(capsys):
+    code, out, err = _cli(capsys, "--cluster", "1x2xV200", "--model",
+                          "resnet50", "--profiles",
+                          '{"V200": {"base": "V100-32GB"}}')
+    assert code == 0, err
+    assert "2 x V200" in out
+
+
+def test_cli_model_that_fits_nowhere(capsys):
+    code, out, err = _cli(capsys, "--cluster", "1x8xV100-32GB", "--model",
+                          "m6-mini", "--global-batch", "4096")
+    assert code == 2
+    assert "epl-plan: error: model 'm6-mini' does not fit" in err
+    assert "short by" in err and "What would help:" in err
+    assert "a smaller global batch: at most" in err
+
+
+def test_cli_m6_10t_needs_offload(capsys):
+    code, _, err = _cli(capsys, "--cluster", "64x8xV100-32GB", "--model",
+                        "m6-10t")
+    assert code == 2
+    assert "devices 0-511 (V100-32GB): needs" in err
+    assert "epl-plan --offload) makes it fit" in err
+    code, out, err = _cli(capsys, "--cluster", "64x8xV100-32GB", "--model",
+                          "m6-10t", "--offload")
+    assert code == 0, err
+    assert "9.90 T parameters" in out
+    assert re.search(r"^0-511\s+0-63\s+V100-32GB\s+2\s+6\s", out, re.M)
+
+
+def test_cli_saved_graph(capsys, tmp_path):
+    graph, _ = _two_stage_graph()
+    path = tmp_path / "model.pbtxt"
+    tf.io.write_graph(graph.as_graph_def(), str(tmp_path), "model.pbtxt")
+    code, out, err = _cli(capsys, "--cluster", "1x2xV100-32GB,1x2xT4",
+                          "--graph", str(path))
+    assert code == 0, err
+    assert "Model: model: 2 layer(s)" in out
+    assert "optimizer adam; global batch 8" in out
+    code, out, err = _cli(capsys, "--cluster", "1xT4", "--graph",
+                          str(tmp_path / "missing.pbtxt"))
+    assert code == 2 and "does not exist" in err
+
+
+SCRIPT = '''
+import sys
+import tensorflow as tf
+import epl
+
+tf.compat.v1.disable_eager_execution()
+epl.init(epl.Config({"cluster.device_profiles":
+                     {"Small": {"base": "T4", "memory_bytes": "8GiB"}}}))
+x = tf.compat.v1.placeholder(tf.float32, [32, 8])
+with epl.replicate(device_count=1, name="body"):
+    w = tf.compat.v1.get_variable("w", [8, 2])
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+train = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+    sys.exit(3)  # never reached: epl-plan stops at the session
+'''
+
+
+def test_cli_script_is_captured_at_its_first_session(capsys, tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    code, out, err = _cli(capsys, "--cluster", "1x2xV100-32GB,1x2xSmall",
+                          "--script", str(path))
+    assert code == 0, err
+    assert "Model: train: 1 layer(s)" in out
+    assert "optimizer momentum; global batch 32" in out
+    assert "2 x Small" in out
+    assert not env.is_initialized()  # the script's epl.init was undone
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    code, out, err = _cli(capsys, "--cluster", "1xT4", "--script", str(bad))
+    assert code == 2
+    assert "failed before creating a session: RuntimeError: boom" in err
