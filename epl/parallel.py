@@ -26,12 +26,13 @@ from epl.strategies import EAGER_HINT
 from graph_passes.annotate import AnnotatePass
 from graph_passes.gradient_comm import GradientCommPass
 from graph_passes.replicate import ReplicatePass
+from graph_passes.schedule import SchedulePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
 
 
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
-    return [AnnotatePass(), ReplicatePass(), GradientCommPass(), VerifyPass()]
+    return [AnnotatePass(), ReplicatePass(), SchedulePass(), GradientCommPass(), VerifyPass()]
 
 
 @dataclasses.dataclass
@@ -118,6 +119,9 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
     finally:
         if finalized:
             graph.finalize()
+    if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
+        from epl.runtime.collective_check import check_collectives_agree
+        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
     replication = ctx.artifacts["replicate"]
     result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
                            dict(replication.sync_ops), dict(ctx.timings))

@@ -44,3 +44,16 @@ def test_initial_values_broadcast_from_worker_0(tmp_path):
     np.testing.assert_array_equal(rank0["initial"], rank1["initial"])
     np.testing.assert_allclose(rank0["after"], rank1["after"], rtol=1e-6)
     assert not np.allclose(rank0["initial"], rank0["after"])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("extra_layer", "collectives differ between workers"),
+    ("shape", "collectives differ between workers: collective #"),
+])
+def test_workers_with_different_graphs_fail_clearly(mode, expected):
+    result = _horovodrun("mismatch_worker.py", mode, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "trained" not in out
+    for rank in (0, 1):
+        assert f"EPL-ERROR rank {rank}: {expected}" in out, _errors(out)

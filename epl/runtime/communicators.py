@@ -153,5 +153,18 @@ class HierarchicalCommunicator(Communicator):
         return [tensor] * len(devices)
 
     def sum_over_workers(self, tensor: tf.Tensor) -> tf.Tensor:
-        """Sum of a per-worker scalar over workers (itself with one worker)."""
-        return tensor if self.cross is None else self.cross.all_reduce(tensor, "sum")
+        """Sum of a per-worker scalar over workers (itself with one worker).
+
+        A value known when the graph is built (a static batch size) is
+        exchanged once, now, outside the training graph: a Horovod op on
+        constant inputs would be constant-folded by Grappler, i.e. run while
+        TensorFlow optimizes the graph, at a moment that differs per worker.
+        """
+        if self.cross is None:
+            return tensor
+        static = tf.get_static_value(tensor)
+        if static is None:
+            return self.cross.all_reduce(tensor, "sum")
+        from epl.runtime.collective_check import exchange_bytes
+        values = exchange_bytes(repr(float(static)).encode(), self.local.timeout_s or 300.0)
+        return tf.constant(sum(float(v.decode()) for v in values), dtype=tensor.dtype)
