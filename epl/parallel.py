@@ -2,8 +2,10 @@
 
 `parallelize(graph)` is called by the session hooks (first session on the
 graph, or MonitoredTrainingSession's Scaffold.finalize) or explicitly by the
-user. It analyses the graph, makes the plan (both may raise before anything is
-changed), runs the pass pipeline, and stores a `ParallelGraph` on the graph's
+user. It cuts the model into pipeline stages when `auto.auto_parallel` and
+`pipeline.num_stages` ask for it (graph_passes/auto_stages.py; only stage tags
+are written), analyses the graph, makes the plan (both may raise before any op
+is added), runs the pass pipeline, and stores a `ParallelGraph` on the graph's
 state: what the session integration needs (fetch remapping, replica sync).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from epl.planner.planner import local_replica_weights
 from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
 from graph_passes.annotate import AnnotatePass
+from graph_passes.auto_stages import auto_stages
 from graph_passes.gradient_comm import GradientCommPass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.schedule import SchedulePass
@@ -50,6 +53,7 @@ class ParallelGraph:
     fetch_map: dict
     sync_ops: dict
     timings: dict
+    timeout_s: float = 300.0
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -99,6 +103,7 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
         return state.result
     config = get_config()
     cluster = local_cluster(config)
+    auto_stages(graph, state, config)  # auto.auto_parallel + pipeline.num_stages, no stage scopes
     view = analyze(graph, state)
     if replica_weights is None:  # the hardware-aware planner: uneven shares for mixed devices
         replica_weights = local_replica_weights(view, cluster, config)  # None = even split
@@ -124,7 +129,8 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
         check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
     replication = ctx.artifacts["replicate"]
     result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
-                           dict(replication.sync_ops), dict(ctx.timings))
+                           dict(replication.sync_ops), dict(ctx.timings),
+                           float(config.get("communication.collective_timeout_s")))
     state.parallelized = True
     state.result = result
     return result

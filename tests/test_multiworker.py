@@ -57,3 +57,13 @@ def test_workers_with_different_graphs_fail_clearly(mode, expected):
     assert "trained" not in out
     for rank in (0, 1):
         assert f"EPL-ERROR rank {rank}: {expected}" in out, _errors(out)
+
+
+def test_stalled_worker_makes_the_others_fail_within_the_timeout():
+    import time
+    start = time.monotonic()
+    result = _horovodrun("stall_worker.py", timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "EPL-ERROR rank 0: worker 0 of 2: a training step did not finish within 8 s" in out, _errors(out)
+    assert time.monotonic() - start < 60

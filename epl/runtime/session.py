@@ -138,10 +138,29 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         plan = _RunPlan(result, fetches)
         if key[0] is not None:
             cache[key] = plan
-    values = _ORIGINAL["run"](self, plan.fetches, feed_dict, options, run_metadata)
+    values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
+                                                      run_metadata))
     if plan.sync:
-        _ORIGINAL["run"](self, plan.sync)
+        _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
     return values
+
+
+def _bounded(result: ParallelGraph, run):
+    """Run `run()`; with several workers, fail instead of waiting forever.
+
+    A worker that dies makes horovodrun stop the others; one that stalls
+    (alive but not reaching the next collective) would block the others'
+    Horovod ops, which cannot be cancelled. So each run of a multi-worker
+    graph is bounded by communication.collective_timeout_s.
+    """
+    if result.cluster.num_workers == 1:
+        return run()
+    from epl.runtime.collective_check import call_with_timeout
+    timeout = result.timeout_s
+    return call_with_timeout(run, timeout, (
+        f"worker {result.cluster.worker_rank} of {result.cluster.num_workers}: a training step "
+        f"did not finish within {timeout:g} s (communication.collective_timeout_s): another "
+        "worker stalled or died before reaching the same collective; see its output"))
 
 
 def install() -> None:
