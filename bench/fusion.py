@@ -5,6 +5,9 @@ small variables (so per-tensor communication cost dominates). Three sides,
 measured in one run of this script, each as its own 2-worker job:
 - epl_fused:   EPL data parallelism, default fusion (128 MB buckets: 1 bucket)
 - epl_unfused: EPL with communication.fusion_threshold_mb tiny (200 all-reduces)
+The EPL sides run with Horovod's runtime fusion off (HOROVOD_FUSION_THRESHOLD=0),
+so "unfused" really issues one all-reduce per gradient and "fused" measures
+EPL's own buckets; the Horovod side keeps its default runtime fusion.
 - horovod:     plain TF + hvd.DistributedOptimizer (Horovod's runtime tensor fusion)
 Each worker times N steps after warm-up; rank 0 reports the median step time.
 
@@ -80,7 +83,10 @@ def run_side(side: str, steps: int, num_vars: int) -> float:
         command = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
                    os.path.abspath(__file__), "--worker", side, "--steps", str(steps),
                    "--vars", str(num_vars), "--out", out]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        env = dict(os.environ)
+        if side.startswith("epl"):
+            env["HOROVOD_FUSION_THRESHOLD"] = "0"
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         if result.returncode != 0:
             raise SystemExit(f"{side} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
         with open(out) as f:

@@ -1,0 +1,44 @@
+"""Smoke tests of the benchmarks: each main() runs with its smallest settings and prints its ratio line."""
+import os
+import re
+import sys
+
+import pytest
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH_DIR)
+
+import dp_overhead  # noqa: E402
+import rewrite_cost  # noqa: E402
+from epl import env  # noqa: E402
+
+
+@pytest.fixture
+def keep_epl_config():
+    """The benchmarks initialize and reset EPL; give other tests their config back."""
+    saved = env._ENV["config"]
+    yield
+    env._ENV["config"] = saved
+
+
+def test_rewrite_cost_quick_prints_ratio_line(capsys, keep_epl_config):
+    results = rewrite_cost.main(["--quick"])
+    out = capsys.readouterr().out
+    assert re.search(r"^rewrite_cost: ratio passes/build = \d+\.\d\d \(1L\) \d+\.\d\d \(2L\); "
+                     r"target <= 0\.5$", out, re.M), out
+    assert "linearity:" in out
+    assert set(results) == {1, 2}
+    for result in results.values():
+        assert result["ops_out"] > result["ops_in"] > 0
+        assert result["pass_s"] > 0 and result["build_s"] > 0
+        assert "replicate" in result["timings"]
+
+
+def test_dp_overhead_quick_prints_ratio_line(capsys):
+    ratios = dp_overhead.main(["--quick"])
+    out = capsys.readouterr().out
+    assert re.search(r"^dp_overhead: EPL/MirroredStrategy step time ratio = \d+\.\d\d "
+                     r"\(target <= 1\.0\)$", out, re.M), out
+    assert ratios["mlp"] > 0
+    assert re.search(r"mlp\s+epl\s+8\s+2\s", out), out          # 2 replicas on the EPL side
+    assert re.search(r"mlp\s+mirrored\s+8\s+2\s", out), out
