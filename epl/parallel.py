@@ -26,6 +26,7 @@ from epl.planner.planner import local_replica_weights
 from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
 from graph_passes.annotate import AnnotatePass
+from graph_passes.apply_groups import ApplyGroupsPass
 from graph_passes.auto_stages import auto_stages
 from graph_passes.gradient_comm import GradientCommPass
 from graph_passes.replicate import ReplicatePass
@@ -35,7 +36,8 @@ from graph_passes.verify import InvariantInstrument, VerifyPass
 
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
-    return [AnnotatePass(), ReplicatePass(), SchedulePass(), GradientCommPass(), VerifyPass()]
+    return [AnnotatePass(), ReplicatePass(), SchedulePass(), GradientCommPass(), ApplyGroupsPass(),
+            VerifyPass()]
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ the global batch), which equals the single-device gradient of the mean loss
 over the whole global batch; with even shares on one worker it is a plain mean
 (the collective divides). With `sum` the copies are summed.
 
-Fusion. Dense gradients are grouped by dtype into buckets of at most
+Fusion. Dense gradients are grouped by device (pipeline stage) and dtype into buckets of at most
 `communication.fusion_threshold_mb` (Horovod's default fusion buffer, 128 MB)
 and, when `communication.max_splits` is set, into at most that many buckets.
 Buckets are filled and issued in reverse order of the forward pass (last layers
@@ -118,12 +118,20 @@ class GradientCommPass(GraphPass):
         reduced_of: dict[str, int] = {}
         buckets: list[Bucket] = []
         if needs_comm:
-            dense = [i for i, (_, grads, _) in enumerate(per_gradient) if not isinstance(grads[0], tf.IndexedSlices)]
-            buckets = plan_buckets([per_gradient[i][1][0] for i in dense],
-                                   float(config.get("communication.fusion_threshold_mb")) * MB,
-                                   int(config.get("communication.max_splits")))
-            for bucket in buckets:
-                members = [dense[i] for i in bucket.members]
+            buckets, bucket_members = [], []
+            # One set of buckets per device (pipeline stage): a bucket never mixes
+            # stages, so one stage's update does not wait for another's gradients.
+            for device in sorted({g[0].op.device for _, g, _ in per_gradient}):
+                dense = [i for i, (_, grads, _) in enumerate(per_gradient)
+                         if not isinstance(grads[0], tf.IndexedSlices) and grads[0].op.device == device]
+                if not dense:
+                    continue
+                for bucket in plan_buckets([per_gradient[i][1][0] for i in dense],
+                                           float(config.get("communication.fusion_threshold_mb")) * MB,
+                                           int(config.get("communication.max_splits"))):
+                    buckets.append(bucket)
+                    bucket_members.append([dense[i] for i in bucket.members])
+            for members in bucket_members:
                 self._reduce_bucket(ctx.communicator, per_gradient, members, replication.weights,
                                     method, even, fp16_scale)
                 for i in members:

@@ -1,11 +1,17 @@
-"""Replication (data parallelism) among the devices of one worker.
+"""Replication (data parallelism) and micro-batching among the devices of one worker.
 
-Given the plan's R replicas, the pass
+Given the plan's R replicas and M = `pipeline.num_micro_batch` micro-batches,
+the unit of copying is a (replica r, micro-batch m) pair. The pass
 - slices every batch input along its first dimension into R parts, with the
   plan's per-replica shares (static split when the batch size is known,
-  run-time boundaries round(B * cumulative share) otherwise);
-- copies the forward and backward ops once per replica, onto the replica's
-  devices, each copy reading its slice; a constant that TensorFlow folded
+  run-time boundaries round(B * cumulative share) otherwise), and each
+  replica's part further into M equal micro-batches (one split into R x M
+  pieces; M must divide every replica's part, checked before any rewrite);
+- copies the forward and backward ops once per (replica, micro-batch), onto
+  the replica's devices (TaskGraph t of replica r on the plan's device for t
+  in r: with several TaskGraphs these are the pipeline stages), each copy
+  reading its slice and tagged with `_epl_replica` = r and, when M > 1,
+  `_epl_micro_batch` = m; a constant that TensorFlow folded
   from tf.shape of a static-shaped batch tensor (it holds the global batch
   size) becomes, in each copy, a Shape op of the replica's own tensor;
 - mirrors every variable those ops read: replica 0 uses the original variable,
@@ -13,10 +19,20 @@ Given the plan's R replicas, the pass
   the mirrors (the session runs it after initialization or restore), so the
   replicas start identical and stay identical (same reduced gradients, same
   update);
+- accumulates, per replica, the M micro-batch gradients of every variable
+  into one gradient: (1/M) x their sum, in micro-batch order (each micro-batch
+  is 1/M of the replica's part, so this is the gradient of the mean loss over
+  the replica's whole part); with M = 1 the replica's gradient is used as is;
 - keeps the original apply ops (the optimizer update) as replica 0's update and
-  copies them for replicas k > 0; the user's train op also runs their updates;
-- merges each loss into the mean over the global batch (sum of share x replica
-  loss), which is what fetching the loss returns.
+  copies them for replicas k > 0; the user's train op also runs their updates
+  (once per step, whatever M is);
+- merges each loss into the mean over the global batch (sum over every
+  (replica, micro-batch) copy of its share of the global batch x its loss),
+  which is what fetching the loss returns; a summary op that read the loss
+  reads the merged value instead.
+
+The order in which the micro-batch copies run (the pipeline schedule) is the
+"schedule" pass's job (graph_passes/schedule.py); this pass only copies.
 
 Why replica 0 is a copy too: the original forward ops were shape-inferred for
 the whole batch, and TensorFlow refuses to feed them a slice with a different
@@ -26,22 +42,32 @@ variables and the update ops stay the originals. This departs from DESIGN.md's
 "original ops remain replica 0" only for the forward/backward ops.
 
 Artifacts for the next passes (ctx.artifacts["replicate"]): the per-replica
-copy of every gradient and each replica's weight.
+(accumulated) copy of every gradient and each replica's weight, and, for the
+schedule pass, the forward copies and backward ops of every (replica,
+micro-batch).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
-from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
-from epl.ir.graph_view import colocation_root, descendants
+from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR,
+                                Phase)
+from epl.ir.graph_view import VARIABLE_OP_TYPES, colocation_root, descendants
+from epl.ir import recompute
 from epl.ir.clone import clone_op, clone_ops, replace_control_inputs, replace_input
 from epl.graph_keys import merge_requests
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
 REPLICA_PREFIX = "EPL_REPLICA_{}"
+MICRO_BATCH_PREFIX = "EPL_MICRO_BATCH_{}"
+# Summary ops that read a merged tensor (the loss) read the merged value instead.
+SUMMARY_TYPES = frozenset({"ScalarSummary", "HistogramSummary", "WriteScalarSummary",
+                           "WriteHistogramSummary", "TensorSummary", "TensorSummaryV2",
+                           "WriteSummary"})
 
 
 @dataclasses.dataclass
@@ -49,13 +75,20 @@ class Replication:
     """What the replicate pass built, for the passes after it.
 
     gradients: per trainable gradient, (variable op, [gradient per replica], the
-      original gradient).
+      original gradient); with micro-batches, each replica's gradient is the
+      accumulation over its micro-batches.
     weights: per replica, its share of the global batch (float or scalar tensor).
-    devices: per replica, the device its gradients live on (by variable op).
     merged: original tensor -> merged tensor (what a fetch of it returns).
     sync_ops: original variable op -> op copying it into its mirrors (the session runs
       it after a run that wrote the original: initialization, restore, assign).
     mirrors: original variable op -> [variable op per replica].
+    replica_maps: per replica, template op -> its copy for micro-batch 0 (forward),
+      plus the replica's apply copies (replicas > 0).
+    num_micro_batches: M.
+    forward_copies: (replica, micro-batch) -> {template forward op: its copy}.
+    backward_ops: (replica, micro-batch) -> the backward ops regenerated for that copy,
+      and the accumulation ops that add its gradients.
+    loss_copies: (replica, micro-batch) -> the copies of the losses.
     """
 
     gradients: list
@@ -64,57 +97,125 @@ class Replication:
     sync_ops: dict
     mirrors: dict
     replica_maps: list
+    num_micro_batches: int = 1
+    forward_copies: dict = dataclasses.field(default_factory=dict)
+    backward_ops: dict = dataclasses.field(default_factory=dict)
+    loss_copies: dict = dataclasses.field(default_factory=dict)
 
 
-def _replica_attr(k: int) -> dict:
-    return {REPLICA_ATTR: tf.compat.v1.AttrValue(i=k)}
+def _select_checkpoints(view, config) -> dict:
+    """Per recorded step (by id), the template tensors gradient checkpointing keeps.
+
+    gradient_checkpoint.type "collection": the tensors of the "checkpoints"
+    collection (an empty collection, or a tensor off the path from the
+    variables to the loss, is an error); "auto": bottleneck tensors chosen by
+    epl.ir.recompute, limited to the first TaskGraphs up to
+    gradient_checkpoint.end_taskgraph when that is set. Empty when off.
+    """
+    kind = config.get("gradient_checkpoint.type")
+    if not kind:
+        return {}
+    end = int(config.get("gradient_checkpoint.end_taskgraph"))
+    selected = {}
+    for step in view.steps:
+        xs = [v.op.outputs[0] for g, v in step.grads_and_vars if g is not None]
+        if kind == "collection":
+            selected[id(step)] = recompute.select_checkpoints_collection(view.graph, step.loss, xs)
+        else:
+            keep = None if end < 0 else (
+                lambda op: op in view.taskgraph_of and view.taskgraph_of[op].index <= end)
+            selected[id(step)] = recompute.select_checkpoints_auto(step.loss, xs, candidate_filter=keep)
+    return selected
+
+
+def _replica_attr(k: int, micro_batch: int | None = None) -> dict:
+    attrs = {REPLICA_ATTR: tf.compat.v1.AttrValue(i=k)}
+    if micro_batch is not None:
+        attrs[MICRO_BATCH_ATTR] = tf.compat.v1.AttrValue(i=micro_batch)
+    return attrs
+
+
+def num_micro_batches(config) -> int:
+    """`pipeline.num_micro_batch` (at least 1)."""
+    return max(1, int(config.get("pipeline.num_micro_batch")))
 
 
 class ReplicatePass(GraphPass):
-    """Copies the model once per replica and slices the global batch."""
+    """Copies the model once per (replica, micro-batch) and slices the global batch."""
 
     name = "replicate"
     requires = ("annotate",)
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
-        self._check_batch(ctx.view, ctx.plan)
+        self._check_batch(ctx.view, ctx.plan, num_micro_batches(ctx.config))
+        # raises for an empty or off-path collection; run() reuses the selection
+        ctx.artifacts["checkpoints"] = _select_checkpoints(ctx.view, ctx.config)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view, plan = ctx.view, ctx.plan
-        sizes = self._check_batch(view, plan)
+        micro = num_micro_batches(ctx.config)
+        sizes = self._check_batch(view, plan, micro)
+        checkpoints = ctx.artifacts.get("checkpoints") or _select_checkpoints(view, ctx.config)
         shape_consts = self._shape_constants(view)
         before = set(graph.get_operations())
         forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
         apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
         devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
         self._place(graph, view, plan)
-        slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device)
+        slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device, micro)
         weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
         mirrors = self._mirror_variables(view, plan)
         replica_maps, gradients = [], []
+        forward_copies, backward_ops, loss_copies = {}, {}, {}
         for k in range(plan.num_replicas):
-            forward_map = self._copy_forward(view, plan, k, forward, slices, mirrors, shape_consts)
-            gradients.append(self._regenerate_gradients(view, plan, k, forward_map, mirrors))
-            replica_maps.append(forward_map)
+            per_micro = []
+            for m in range(micro):
+                unit = (k, m)
+                forward_map = self._copy_forward(view, plan, unit, micro, forward, slices, mirrors,
+                                                 shape_consts)
+                first = len(graph.get_operations())
+                per_micro.append(self._regenerate_gradients(view, plan, unit, micro, forward_map,
+                                                            mirrors, checkpoints))
+                backward_ops[unit] = graph.get_operations()[first:]
+                forward_copies[unit] = forward_map
+                loss_copies[unit] = [forward_map[t.op].outputs[t.value_index]
+                                     for t in view.losses if t.op in forward_map]
+            accumulated, accumulate_ops = _accumulate(per_micro, k)
+            gradients.append(accumulated)
+            for m, ops in accumulate_ops.items():
+                backward_ops[(k, m)] = backward_ops[(k, m)] + ops
+            replica_maps.append(dict(forward_copies[(k, 0)]))
         for k in range(1, plan.num_replicas):  # copy the originals before rewiring them
             replica_maps[k].update(self._copy_apply(view, plan, k, apply_ops, slices, mirrors,
-                                                    replica_maps[k], gradients[k]))
+                                                    replica_maps[k], gradients[k], micro))
         self._rewire_replica0_apply(apply_ops, replica_maps[0], _gradient_map(view, gradients[0]))
         self._chain_train_ops(view, replica_maps)
-        merged = self._merge_fetches(graph, view, replica_maps, weights, devices, ctx.communicator)
+        units = [forward_copies[(k, m)] for k in range(plan.num_replicas) for m in range(micro)]
+        unit_weights = [w if micro == 1 else w * (1.0 / micro) for w in weights for _ in range(micro)]
+        merged = self._merge_fetches(graph, view, units, unit_weights, devices, ctx.communicator)
         sync_ops = self._sync_ops(mirrors, ctx.communicator)
         per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)], grad)
                         for i, (grad, var) in enumerate(view.gradients)]
         ctx.artifacts[self.name] = Replication(per_gradient, weights, merged, sync_ops, mirrors,
-                                               replica_maps)
+                                               replica_maps, micro, forward_copies, backward_ops,
+                                               loss_copies)
         added = [op.name for op in graph.get_operations() if op not in before]
-        op_map = {op.name: [m[op].name for m in replica_maps if op in m] for op in view.replica_ops}
-        return PassResult(added=added, op_map=op_map,
-                          notes=[f"{plan.num_replicas} replicas, shares {list(plan.replica_weights)}"])
+        op_map = {op.name: [forward_copies[u][op].name for u in sorted(forward_copies)
+                            if op in forward_copies[u]]
+                  + [m[op].name for m in replica_maps[1:] if op in m and op not in replica_maps[0]]
+                  for op in view.replica_ops}
+        notes = [f"{plan.num_replicas} replicas, shares {list(plan.replica_weights)}"]
+        if micro > 1:
+            notes.append(f"{micro} micro-batches per replica, gradients accumulated")
+        return PassResult(added=added, op_map=op_map, notes=notes)
 
     # -- analysis -----------------------------------------------------------
     @staticmethod
-    def _check_batch(view, plan) -> list[int] | None:
+    def _check_batch(view, plan, micro: int = 1) -> list[int] | None:
+        """Per-replica batch sizes (None for a dynamic batch); raise on a bad split.
+
+        Every replica's part must split into `micro` equal micro-batches.
+        """
         batch = view.global_batch_size
         if batch is None:
             return None
@@ -129,6 +230,15 @@ class ReplicatePass(GraphPass):
                 f"the global batch of {batch} examples leaves a replica with no examples "
                 f"(per-replica sizes {sizes}). Use a global batch of at least "
                 f"{plan.num_replicas} examples.")
+        if any(size % micro for size in sizes):
+            replicas = plan.num_replicas
+            raise ParallelizeError(
+                f"pipeline.num_micro_batch={micro} does not divide the batch: the per-replica "
+                f"batch sizes {sizes} (global batch {batch} over {replicas} replica(s); inputs: "
+                f"{', '.join(t.name for t in view.batch_inputs)}) cannot each be cut into {micro} "
+                f"equal micro-batches. Use a global batch size divisible by {replicas * micro} "
+                f"({replicas} replica(s) x {micro} micro-batches), or a pipeline.num_micro_batch "
+                f"that divides every replica's batch.")
         return sizes
 
     @staticmethod
@@ -176,39 +286,53 @@ class ReplicatePass(GraphPass):
         for op in graph.get_operations():
             if op in replica or (op in view.taskgraph_of and op.type in ("VarHandleOp", "VariableV2")):
                 op._set_device(plan.device(view.taskgraph_of[op], 0))
+        for op in view.replica_ops:  # a variable read by a later stage is read where it lives
+            var = _variable_read(op)
+            if var is not None:
+                op._set_device(var.device)
         for op in graph.get_operations():
             if op not in replica and not op.device:
                 root = colocation_root(op)
                 op._set_device(root.device if root is not None and root.device else "/device:CPU:0")
 
     @staticmethod
-    def _slice_batch(view, plan, sizes, host):
-        """Return ({batch tensor: [slice per replica]}, [weight per replica])."""
+    def _slice_batch(view, plan, sizes, host, micro: int = 1):
+        """Return ({batch tensor: [slice per unit]}, [weight per replica]).
+
+        A unit is a (replica k, micro-batch m) pair, at index k * micro + m:
+        replica k's part of the batch cut into `micro` equal consecutive slices.
+        """
         replicas = plan.num_replicas
+        units = replicas * micro
         slices = {}
         with tf.device(host), tf.name_scope("EPL_BATCH_SLICES"):
             if sizes is not None:
                 weights = [s / view.global_batch_size for s in sizes]
+                unit_sizes = [s // micro for s in sizes for _ in range(micro)]
                 for tensor in view.batch_inputs:
-                    slices[tensor] = tf.split(tensor, sizes, axis=0) if replicas > 1 else [tensor]
+                    slices[tensor] = tf.split(tensor, unit_sizes, axis=0) if units > 1 else [tensor]
                 return slices, weights
             first = view.batch_inputs[0]
             batch = tf.shape(first, out_type=tf.int64)[0]
             if plan.even:
+                what = (f"{replicas} replicas" if micro == 1
+                        else f"{replicas} replicas x {micro} micro-batches")
                 check = tf.debugging.Assert(
-                    tf.equal(batch % replicas, 0),
-                    [f"EPL: the global batch cannot be split evenly over {replicas} replicas; "
+                    tf.equal(batch % units, 0),
+                    [f"EPL: the global batch cannot be split evenly over {what}; "
                      "batch size:", batch])
                 with tf.control_dependencies([check]):
-                    bounds = [batch * k // replicas for k in range(replicas + 1)]
+                    unit_bounds = [batch * u // units for u in range(units + 1)]
+                bounds = unit_bounds[::micro]
             else:
                 cumulative = [sum(plan.replica_weights[:k]) for k in range(replicas + 1)]
                 bounds = [tf.cast(tf.round(tf.cast(batch, tf.float64) * c), tf.int64)
                           for c in cumulative[:-1]] + [batch]
+                unit_bounds = _micro_bounds(bounds, micro)
             weights = [tf.cast(bounds[k + 1] - bounds[k], tf.float32) / tf.cast(batch, tf.float32)
                        for k in range(replicas)]
             for tensor in view.batch_inputs:
-                slices[tensor] = [tensor[bounds[k]:bounds[k + 1]] for k in range(replicas)]
+                slices[tensor] = [tensor[unit_bounds[u]:unit_bounds[u + 1]] for u in range(units)]
         return slices, weights
 
     @staticmethod
@@ -242,16 +366,26 @@ class ReplicatePass(GraphPass):
         return mirrors
 
     @staticmethod
-    def _copy_forward(view, plan, k, forward, slices, mirrors, shape_consts) -> dict:
-        """Copy the forward ops for replica k, reading its slice and its variables.
+    def _copy_forward(view, plan, unit, micro, forward, slices, mirrors, shape_consts) -> dict:
+        """Copy the forward ops for unit (replica k, micro-batch m), reading its slice
+        and replica k's variables, onto replica k's devices.
 
         A constant in `shape_consts` (a folded static shape of a batch-sized
-        tensor) becomes a Shape op of replica k's copy of that tensor.
+        tensor) becomes a Shape op of the unit's copy of that tensor. Copies are
+        named `EPL_REPLICA_<k>/` (plus `EPL_MICRO_BATCH_<m>/` when M > 1).
         """
-        input_map = {t: parts[k] for t, parts in slices.items()}
+        k, m = unit
+        input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
         input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
-        prefix = REPLICA_PREFIX.format(k)
-        device_fn = lambda op: plan.device(view.taskgraph_of[op], k)  # noqa: E731
+        prefix = _prefix(k, m, micro)
+        attrs = _replica_attr(k, m if micro > 1 else None)
+
+        def device_fn(op):
+            var = _variable_read(op)
+            if var is not None and var in mirrors:  # read where the variable lives
+                return mirrors[var][k].device
+            return plan.device(view.taskgraph_of[op], k)
+
         op_map: dict = {}
         run: list = []  # consecutive ops cloned in one clone_ops call
         for op in forward + [None]:
@@ -259,24 +393,26 @@ class ReplicatePass(GraphPass):
                 run.append(op)
                 continue
             if run:
-                op_map.update(clone_ops(run, prefix, device_fn, input_map, _replica_attr(k),
-                                        known=op_map))
+                op_map.update(clone_ops(run, prefix, device_fn, input_map, attrs, known=op_map))
                 run = []
             if op is not None:
                 source = shape_consts[op]
                 source = (input_map[source] if source in input_map
                           else op_map[source.op].outputs[source.value_index])
-                op_map[op] = _shape_op(op, source, f"{prefix}/{op.name}", device_fn(op), k)
+                op_map[op] = _shape_op(op, source, f"{prefix}/{op.name}", device_fn(op), attrs)
         return op_map
 
     @staticmethod
-    def _regenerate_gradients(view, plan, k, forward_map, mirrors) -> list:
-        """Autodiff of replica k's loss copy, as compute_gradients did for the original.
+    def _regenerate_gradients(view, plan, unit, micro, forward_map, mirrors,
+                              checkpoints: dict | None = None) -> list:
+        """Autodiff of a unit's loss copy, as compute_gradients did for the original.
 
         The original backward ops were built for the whole batch (gradient
-        functions fold static shapes into constants), so each replica gets its
-        own backward ops, colocated with its forward copies.
+        functions fold static shapes into constants), so each (replica,
+        micro-batch) gets its own backward ops, colocated with its forward copies
+        (so on the stage devices of their forward ops).
         """
+        k, m = unit
         grads_out = []
         graph = view.graph
         for step in view.steps:
@@ -289,7 +425,12 @@ class ReplicatePass(GraphPass):
             first = len(graph.get_operations())
             kwargs = step.gradient_kwargs
             gate = kwargs.get("gate_gradients", tf.compat.v1.train.Optimizer.GATE_OP)
-            grads = tf.compat.v1.gradients(
+            gradient_fn = tf.compat.v1.gradients
+            if checkpoints:  # gradient checkpointing: keep only these, recompute the rest
+                kept = [forward_map[t.op].outputs[t.value_index]
+                        for t in checkpoints.get(id(step), []) if t.op in forward_map]
+                gradient_fn = functools.partial(recompute.checkpointed_gradients, checkpoints=kept)
+            grads = gradient_fn(
                 loss, targets, grad_ys=kwargs.get("grad_loss"),
                 gate_gradients=gate == tf.compat.v1.train.Optimizer.GATE_OP,
                 aggregation_method=kwargs.get("aggregation_method"),
@@ -299,14 +440,16 @@ class ReplicatePass(GraphPass):
             if kwargs.get("sparse_as_dense"):
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                          for g in grads]
-            _tag_backward(graph.get_operations()[first:], k, plan.device(view.taskgraphs[0], k))
+            _tag_backward(graph.get_operations()[first:], k, plan.device(view.taskgraphs[0], k),
+                          m if micro > 1 else None)
             grads_out.extend(grads)
         return grads_out
 
     @staticmethod
-    def _copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads) -> dict:
-        """Copy the update (apply) ops for replica k > 0."""
-        input_map = {t: parts[k] for t, parts in slices.items()}
+    def _copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads,
+                    micro: int = 1) -> dict:
+        """Copy the update (apply) ops for replica k > 0 (reading its accumulated gradients)."""
+        input_map = {t: parts[k * micro] for t, parts in slices.items()}
         input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
         input_map.update(_gradient_map(view, grads))
         return clone_ops(apply_ops, REPLICA_PREFIX.format(k),
@@ -335,19 +478,26 @@ class ReplicatePass(GraphPass):
                 train_op._add_control_inputs(copies)
 
     @staticmethod
-    def _merge_fetches(graph, view, replica_maps, weights, devices, communicator) -> dict:
-        """Merged value of each loss and each tensor in an EPL merge collection."""
+    def _merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dict:
+        """Merged value of each loss and each tensor in an EPL merge collection.
+
+        unit_maps: per (replica, micro-batch) copy, in global batch order, its
+        forward op map; weights: each copy's share of the global batch. Ops
+        outside the replicated model and summary ops (tf.compat.v1.summary of
+        the loss) that read an original tensor read the merged one instead.
+        """
         requests = {loss: "mean" for loss in view.losses}
         requests.update({t: kind for t, kind in merge_requests(graph).items() if t not in requests})
         merged = {}
         for tensor, kind in requests.items():
-            if tensor.op not in replica_maps[0]:
+            if tensor.op not in unit_maps[0]:
                 continue
-            parts = [m[tensor.op].outputs[tensor.value_index] for m in replica_maps]
+            parts = [m[tensor.op].outputs[tensor.value_index] for m in unit_maps]
             with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
                 merged[tensor] = _merge(parts, weights, kind, communicator)
             for consumer in list(tensor.consumers()):
-                if consumer not in devices and tensor.shape == merged[tensor].shape:
+                if (consumer not in devices or consumer.type in SUMMARY_TYPES) \
+                        and tensor.shape == merged[tensor].shape:
                     replace_input(consumer, tensor, merged[tensor])
         return merged
 
@@ -380,6 +530,99 @@ class ReplicatePass(GraphPass):
         return sync
 
 
+def _variable_read(op: tf.Operation) -> tf.Operation | None:
+    """The variable op whose handle (resource or ref) `op` takes as an input, if any.
+
+    TensorFlow places such an op on the variable's device; when a later
+    pipeline stage reads a variable of an earlier one (tied embeddings), the
+    read runs on the variable's device and its value travels to the stage.
+    """
+    for tensor in op.inputs:
+        if tensor.op.type in VARIABLE_OP_TYPES and (tensor.dtype == tf.resource
+                                                    or tensor.dtype._is_ref_dtype):
+            return tensor.op
+    return None
+
+
+def _micro_bounds(bounds: list, micro: int) -> list:
+    """Run-time boundaries of every (replica, micro-batch) slice from the replicas' ones.
+
+    Each replica's rows are cut into `micro` equal slices; an Assert fails the
+    step when a replica's row count is not divisible by `micro`.
+    """
+    if micro == 1:
+        return list(bounds)
+    sizes = [bounds[k + 1] - bounds[k] for k in range(len(bounds) - 1)]
+    check = tf.debugging.Assert(
+        tf.reduce_all(tf.equal(tf.stack(sizes) % micro, 0)),
+        [f"EPL: pipeline.num_micro_batch={micro} does not divide every replica's batch; "
+         "per-replica batch sizes:", tf.stack(sizes)])
+    with tf.control_dependencies([check]):
+        unit_bounds = [bounds[k] + size * m // micro
+                       for k, size in enumerate(sizes) for m in range(micro)]
+    return unit_bounds + [bounds[-1]]
+
+
+def _accumulate(per_micro: list[list], replica: int) -> tuple[list, dict]:
+    """One gradient per variable from the gradients of every micro-batch.
+
+    per_micro[m][i] is micro-batch m's gradient of variable i. The result is
+    (1/M) x the sum over m in micro-batch order (every micro-batch holds 1/M of
+    the replica's examples, so this is the gradient of the mean loss over the
+    replica's part), on the device of micro-batch 0's gradient, tagged with its
+    TaskGraph, phase "backward" and the replica.
+
+    The sum is a chain of adds, ((g0 + g1) + g2) + ..., not one AddN, and the
+    add of g_m is tagged as micro-batch m's work (`_epl_micro_batch` = m; the
+    final scaling is micro-batch M - 1's): the schedule pass puts it into that
+    micro-batch's backward step, so g_m is freed as soon as it is added and the
+    accumulator costs one gradient's memory whatever M is. (The step's control
+    edges also keep Grappler from merging the chain back into one AddN, which
+    would keep every micro-batch's gradient alive until the last one.) Sparse
+    gradients (tf.IndexedSlices) are concatenated, with scaled values, at the
+    last micro-batch.
+
+    Returns (gradients, {m: ops added for micro-batch m}).
+    """
+    micro = len(per_micro)
+    if micro == 1:
+        return per_micro[0], {}
+    scale = 1.0 / micro
+    accumulated, ops_of = [], {m: [] for m in range(micro)}
+    for parts in zip(*per_micro):
+        first = parts[0]
+        if first is None:
+            accumulated.append(None)
+            continue
+        source = first.values.op if isinstance(first, tf.IndexedSlices) else first.op
+        graph = source.graph
+
+        def tagged(m, build):
+            start = len(graph.get_operations())
+            with tf.device(source.device), tf.name_scope("EPL_ACCUMULATE"):
+                result = build()
+            for new in graph.get_operations()[start:]:
+                for name in (TASKGRAPH_ATTR, PHASE_ATTR):
+                    if name in source.node_def.attr:
+                        new._set_attr(name, source.node_def.attr[name])
+                new._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
+                new._set_attr(MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=m))
+                ops_of[m].append(new)
+            return result
+
+        if isinstance(first, tf.IndexedSlices):
+            total = tagged(micro - 1, lambda: tf.IndexedSlices(
+                tf.concat([p.values for p in parts], axis=0) * tf.cast(scale, first.dtype),
+                tf.concat([p.indices for p in parts], axis=0), first.dense_shape))
+        else:
+            total = parts[0]
+            for m in range(1, micro):
+                total = tagged(m, lambda t=total, p=parts[m]: t + p)
+            total = tagged(micro - 1, lambda t=total: t * tf.cast(scale, first.dtype))
+        accumulated.append(total)
+    return accumulated, ops_of
+
+
 def _gradient_map(view, grads) -> dict:
     """Original dense gradient tensors -> this replica's gradients.
 
@@ -392,25 +635,34 @@ def _gradient_map(view, grads) -> dict:
             if not isinstance(orig, tf.IndexedSlices)}
 
 
-def _tag_backward(ops, replica: int, fallback_device: str) -> None:
-    """Phase, replica, TaskGraph and device of regenerated backward ops."""
+def _prefix(replica: int, micro_batch: int, micro: int) -> str:
+    """Name prefix of a unit's copies."""
+    prefix = REPLICA_PREFIX.format(replica)
+    return prefix if micro == 1 else f"{prefix}/{MICRO_BATCH_PREFIX.format(micro_batch)}"
+
+
+def _tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | None = None) -> None:
+    """Phase, replica, micro-batch, TaskGraph and device of regenerated backward ops."""
     phase = tf.compat.v1.AttrValue(s=Phase.BACKWARD.value.encode())
     for op in ops:
         op._set_attr(PHASE_ATTR, phase)
         op._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
-        source = colocation_root(op) or next((t.op for t in op.inputs
-                                              if TASKGRAPH_ATTR in t.op.node_def.attr), None)
+        if micro_batch is not None:
+            op._set_attr(MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=micro_batch))
+        source = colocation_root(op) or next(
+            (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
+             if TASKGRAPH_ATTR in producer.node_def.attr), None)
         if source is not None and TASKGRAPH_ATTR in source.node_def.attr:
             op._set_attr(TASKGRAPH_ATTR, source.node_def.attr[TASKGRAPH_ATTR])
         op._set_device(source.device if source is not None and source.device else fallback_device)
 
 
 def _shape_op(const: tf.Operation, source: tf.Tensor, name: str, device: str,
-              replica: int) -> tf.Operation:
+              copy_attrs: dict) -> tf.Operation:
     """A Shape op of `source` standing in for the folded shape constant `const`."""
     dtype = const.outputs[0].dtype
     attrs = {k: v for k, v in const.node_def.attr.items() if k in (TASKGRAPH_ATTR, PHASE_ATTR)}
-    attrs.update(_replica_attr(replica))
+    attrs.update(copy_attrs)
     attrs["T"] = tf.compat.v1.AttrValue(type=source.dtype.as_datatype_enum)
     attrs["out_type"] = tf.compat.v1.AttrValue(type=dtype.as_datatype_enum)
     op = const.graph._create_op_internal("Shape", [source], [dtype], name=name, attrs=attrs,

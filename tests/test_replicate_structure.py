@@ -20,7 +20,7 @@ from graph_passes import verify
 from tools import epl_dump
 
 VARIABLE_TYPES = ("VarHandleOp", "VariableV2")
-PIPELINE = ["annotate", "replicate", "gradient_comm", "verify"]
+PIPELINE = ["annotate", "replicate", "schedule", "gradient_comm", "apply_groups", "verify"]
 
 
 def _replica(op) -> int | None:

@@ -19,10 +19,13 @@ Rules, in the order they are applied:
   and constants of rank >= 1 whose first dimension is the global batch size and
   which feed an op as data (not as a shape, axis or index argument, as read
   from the consumer's OpDef).
-- TaskGraph: the scope's attribute where set; a backward or apply op takes the
-  TaskGraph of the op it is colocated with (its forward op or its variable); an
-  untagged forward op takes the latest TaskGraph among its inputs; anything
-  else takes the first TaskGraph.
+- TaskGraph: a backward or apply op colocated with another op takes that op's
+  TaskGraph (its forward op or its variable), even when it was built inside
+  another scope (minimize() called inside the last pipeline stage's scope);
+  otherwise the scope's attribute where set; an untagged op of another phase
+  takes the TaskGraph of the op it is colocated with; an untagged forward op
+  takes the latest TaskGraph among its inputs; anything else takes the first
+  TaskGraph.
 """
 from __future__ import annotations
 
@@ -200,8 +203,13 @@ def _resolve_taskgraphs(ops, state: GraphState, phase_of) -> dict[tf.Operation, 
     first = state.taskgraphs[0]
     resolved: dict[tf.Operation, TaskGraph] = {}
     for op in ops:  # creation order: inputs and colocation roots come first
+        taskgraph = None
+        if phase_of.get(op) in (Phase.BACKWARD, Phase.APPLY):  # follows its forward op / variable
+            root = colocation_root(op)
+            taskgraph = resolved.get(root) if root is not None else None
         name = _attr_string(op, TASKGRAPH_ATTR)
-        taskgraph = state.taskgraph(name) if name else None
+        if taskgraph is None and name:
+            taskgraph = state.taskgraph(name)
         if taskgraph is None and phase_of.get(op) in (Phase.BACKWARD, Phase.APPLY, Phase.OTHER):
             root = colocation_root(op)
             taskgraph = resolved.get(root) if root is not None else None
