@@ -267,6 +267,12 @@ def training_steps(state: GraphState):
 def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     """Build the TrainingView of `graph`; raises ParallelizeError on bad input."""
     steps = training_steps(state)
+    split = [tg.spec for tg in state.taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
+    if split:
+        raise ParallelizeError(
+            f"{split[0].describe()}: tensor and expert parallelism (epl.split) is not "
+            "implemented yet in this version of EPL, and EPL will not silently replicate what "
+            "you asked to split. Use epl.replicate for now.")
     if not state.taskgraphs:
         state.add_taskgraph(IMPLICIT_SPEC)
     ops = graph.get_operations()
