@@ -128,6 +128,18 @@ def _select_checkpoints(view, config) -> dict:
     return selected
 
 
+def _slice_shapes(slices: dict, index: int) -> tuple:
+    """The static shapes of unit `index`'s slices (None where unknown): units with
+    equal shapes can share one autodiff."""
+    return tuple(tuple(parts[index].shape.as_list()) if parts[index].shape.rank is not None
+                 else None for parts in slices.values())
+
+
+def _unit_prefix(k: int, m: int, micro: int) -> str:
+    """Name prefix of unit (k, m)'s copies."""
+    return REPLICA_PREFIX.format(k) + (f"/EPL_MICRO_BATCH_{m}" if micro > 1 else "")
+
+
 def _replica_attr(k: int, micro_batch: int | None = None) -> dict:
     attrs = {REPLICA_ATTR: tf.compat.v1.AttrValue(i=k)}
     if micro_batch is not None:
@@ -167,6 +179,7 @@ class ReplicatePass(GraphPass):
         mirrors = self._mirror_variables(view, plan)
         replica_maps, gradients = [], []
         forward_copies, backward_ops, loss_copies = {}, {}, {}
+        built_by_shape: dict = {}  # slice shapes -> (unit, its gradients, its backward ops)
         for k in range(plan.num_replicas):
             per_micro = []
             for m in range(micro):
@@ -174,8 +187,16 @@ class ReplicatePass(GraphPass):
                 forward_map = self._copy_forward(view, plan, unit, micro, forward, slices, mirrors,
                                                  shape_consts)
                 first = len(graph.get_operations())
-                per_micro.append(self._regenerate_gradients(view, plan, unit, micro, forward_map,
-                                                            mirrors, checkpoints))
+                key = _slice_shapes(slices, k * micro + m)
+                if key in built_by_shape:  # same shapes: copy that unit's backward (cheap)
+                    source, source_grads, source_ops = built_by_shape[key]
+                    per_micro.append(self._copy_backward(
+                        view, plan, source, unit, micro, source_grads, source_ops,
+                        forward_copies[source], forward_map, slices, mirrors))
+                else:  # first unit of these shapes: autodiff of its loss copy
+                    per_micro.append(self._regenerate_gradients(view, plan, unit, micro,
+                                                                forward_map, mirrors, checkpoints))
+                    built_by_shape[key] = (unit, per_micro[-1], graph.get_operations()[first:])
                 backward_ops[unit] = graph.get_operations()[first:]
                 forward_copies[unit] = forward_map
                 loss_copies[unit] = [forward_map[t.op].outputs[t.value_index]
@@ -444,6 +465,39 @@ class ReplicatePass(GraphPass):
                           m if micro > 1 else None)
             grads_out.extend(grads)
         return grads_out
+
+    @staticmethod
+    def _copy_backward(view, plan, source, unit, micro, source_grads, source_ops,
+                       source_forward, forward_map, slices, mirrors) -> list:
+        """Copy the backward ops of `source` (a unit whose slices have the same
+        shapes) for `unit`, reading `unit`'s forward copies, slices and variables.
+
+        Autodiff is the costly part of the rewrite; backward ops built for one
+        slice shape are valid for every slice of that shape, so only the first
+        unit of each shape runs tf.gradients.
+        """
+        (k0, m0), (k, m) = source, unit
+        known = {copy: forward_map[orig] for orig, copy in source_forward.items()
+                 if orig in forward_map}
+        input_map = {parts[k0 * micro + m0]: parts[k * micro + m] for parts in slices.values()}
+        input_map.update({copies[k0].outputs[0]: copies[k].outputs[0]
+                          for copies in mirrors.values()})
+        devices = {}
+        for taskgraph in view.taskgraphs:
+            devices[plan.device(taskgraph, k0)] = plan.device(taskgraph, k)
+        op_map = clone_ops(source_ops, _unit_prefix(k, m, micro),
+                           lambda op: devices.get(op.device, op.device), input_map,
+                           _replica_attr(k, m if micro > 1 else None), known=known)
+
+        def mapped(tensor):
+            if tensor is None:
+                return None
+            if isinstance(tensor, tf.IndexedSlices):
+                return tf.IndexedSlices(mapped(tensor.values), mapped(tensor.indices),
+                                        mapped(tensor.dense_shape))
+            copy = op_map.get(tensor.op) or known.get(tensor.op)
+            return copy.outputs[tensor.value_index] if copy is not None else input_map.get(tensor, tensor)
+        return [mapped(g) for g in source_grads]
 
     @staticmethod
     def _copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads,
