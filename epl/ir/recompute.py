@@ -58,6 +58,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
 from epl.errors import ParallelizeError
+from epl.ir import graph_view
 from epl.ir.clone import clone_ops
 
 RECOMPUTE_ATTR = "_epl_recompute"
@@ -132,23 +133,9 @@ class _Forward:
 
     def __init__(self, ys: list, xs: list):
         self.ys, self.xs = ys, xs
-        ancestors: set = set()
-        stack = [y.op for y in ys]
-        while stack:
-            op = stack.pop()
-            if op in ancestors:
-                continue
-            ancestors.add(op)
-            stack.extend(t.op for t in op.inputs)
-        descendants: set = set()
-        stack = [c for x in xs for c in x.consumers()]
-        while stack:
-            op = stack.pop()
-            if op in descendants:
-                continue
-            descendants.add(op)
-            stack.extend(c for out in op.outputs for c in out.consumers())
-        self.ops: set = ancestors & descendants
+        upstream = graph_view.ancestors([y.op for y in ys], include_control=False)
+        downstream = graph_view.descendants(xs)
+        self.ops: set = upstream & downstream
         bad = sorted(op.name for op in self.ops if op.type in TF1_CONTROL_FLOW)
         if bad:
             raise ParallelizeError(
