@@ -62,6 +62,28 @@ class Communicator(abc.ABC):
     def broadcast(self, tensor: tf.Tensor, devices: list[str]) -> list[tf.Tensor]:
         """Copy `tensor` (held by devices[0]) to every device."""
 
+    def reduce_scatter(self, tensors: list[tf.Tensor], devices: list[str]) -> list[tf.Tensor]:
+        """Sum `tensors`; device i gets the i-th of len(devices) equal slices along axis 0."""
+        reduced = self.all_reduce(tensors, devices, op="sum")
+        outputs = []
+        for i, (tensor, device) in enumerate(zip(reduced, devices)):
+            with tf.device(device):
+                outputs.append(tf.split(tensor, len(devices), axis=0)[i])
+        return outputs
+
+    def all_to_all(self, tensors: list[tf.Tensor], devices: list[str]) -> list[tf.Tensor]:
+        """Device i sends slice j (of len(devices) equal slices along axis 0) of its
+        tensor to device j; device j gets the slices it received, in device order."""
+        pieces = []
+        for tensor, device in zip(tensors, devices):
+            with tf.device(device):
+                pieces.append(tf.split(tensor, len(devices), axis=0))
+        outputs = []
+        for j, device in enumerate(devices):
+            with tf.device(device):  # TensorFlow moves each slice to its destination device
+                outputs.append(tf.concat([parts[j] for parts in pieces], axis=0))
+        return outputs
+
 
 class LocalCommunicator(Communicator):
     """Collectives among this worker's devices with TensorFlow collective ops."""
