@@ -56,6 +56,11 @@ class ParallelGraph:
     sync_ops: dict
     timings: dict
     timeout_s: float = 300.0
+    # gradient_checkpoint.check_gradients: (gradients without checkpointing,
+    # gradients with it) of replica 0, compared by the session before the first
+    # training step; the largest absolute difference is kept here.
+    gradient_check: tuple | None = None
+    gradient_check_max_diff: float | None = None
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -132,7 +137,8 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
     replication = ctx.artifacts["replicate"]
     result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
                            dict(replication.sync_ops), dict(ctx.timings),
-                           float(config.get("communication.collective_timeout_s")))
+                           float(config.get("communication.collective_timeout_s")),
+                           ctx.artifacts.get("gradient_check"))
     state.parallelized = True
     state.result = result
     return result

@@ -198,6 +198,12 @@ class ReplicatePass(GraphPass):
                                                                 forward_map, mirrors, checkpoints))
                     built_by_shape[key] = (unit, per_micro[-1], graph.get_operations()[first:])
                 backward_ops[unit] = graph.get_operations()[first:]
+                if checkpoints and unit == (0, 0) and \
+                        ctx.config.get("gradient_checkpoint.check_gradients"):
+                    # gradients without checkpointing, never run by the train op: the
+                    # session compares them with the checkpointed ones before step 1
+                    ctx.artifacts["gradient_check"] = (self._regenerate_gradients(
+                        view, plan, unit, micro, forward_map, mirrors), per_micro[-1])
                 forward_copies[unit] = forward_map
                 loss_copies[unit] = [forward_map[t.op].outputs[t.value_index]
                                      for t in view.losses if t.op in forward_map]

@@ -59,3 +59,18 @@ def test_auto_checkpointing_with_pipeline(models, epl_env):
     epl_env({"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto",
              "pipeline.num_micro_batch": 2})
     models.assert_same_training(models.train(model="transformer", optimizer="sgd"), reference)
+
+
+def test_check_gradients_reports_the_largest_difference(models, epl_env):
+    epl_env({"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto",
+             "gradient_checkpoint.check_gradients": True})
+    with tf.Graph().as_default() as graph:
+        built = models.build("transformer", "sgd")
+        result = epl.parallelize(graph)
+        assert result.gradient_check is not None
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            assert result.gradient_check_max_diff is None
+            sess.run(built.train_op, built.feed)
+    assert result.gradient_check_max_diff is not None
+    assert 0.0 <= result.gradient_check_max_diff < 1e-5

@@ -61,6 +61,7 @@ class _RunPlan:
         self.fetches = _remap(result, fetches)
         targets = [_as_op(result.graph, f) for f in _leaves(self.fetches)]
         written = _written_variables(result, [t for t in targets if t is not None])
+        self.trains = any(t in result.view.train_ops for t in targets if t is not None)
         self.sync = [result.sync_ops[v] for v in written if v in result.sync_ops]
 
 
@@ -138,11 +139,25 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         plan = _RunPlan(result, fetches)
         if key[0] is not None:
             cache[key] = plan
+    if result.gradient_check is not None and result.gradient_check_max_diff is None \
+            and plan.trains:
+        _check_gradients(self, result, feed_dict)
     values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
                                                       run_metadata))
     if plan.sync:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
     return values
+
+
+def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:
+    """gradient_checkpoint.check_gradients: compare the values, before the first step."""
+    from epl.ir.recompute import compare_gradients
+    reference, checkpointed = result.gradient_check
+    result.gradient_check_max_diff = compare_gradients(session, reference, checkpointed, feed_dict)
+    tf.compat.v1.logging.warning(
+        "EPL gradient_checkpoint.check_gradients: largest absolute difference between the "
+        "gradients with and without checkpointing on the first step: %.3g",
+        result.gradient_check_max_diff)
 
 
 def _bounded(result: ParallelGraph, run):
