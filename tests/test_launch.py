@@ -6,7 +6,6 @@ runs in its own process group under a subprocess timeout.
 """
 from __future__ import annotations
 
-import io
 import os
 import re
 import signal

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import epl
+from conftest import assert_same_training as assert_same  # same variables and losses
 from epl import env
 from epl.errors import ClusterError, PassError
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
@@ -161,15 +162,6 @@ def reference(layers: int, optimizer: str) -> Trained:
         _REFERENCES[key] = train_encoder(layers=layers, optimizer=optimizer)
     env.reset()
     return _REFERENCES[key]
-
-
-def assert_same(result: Trained, expected: Trained, rtol=1e-5, atol=1e-6) -> None:
-    assert sorted(result.variables) == sorted(expected.variables)
-    for name, value in expected.variables.items():
-        np.testing.assert_allclose(result.variables[name], value, rtol=rtol, atol=atol,
-                                   err_msg=f"variable {name}")
-    np.testing.assert_allclose(result.losses, expected.losses, rtol=rtol, atol=atol,
-                               err_msg="per-step losses")
 
 
 def _attr(op, name):

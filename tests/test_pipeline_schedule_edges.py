@@ -19,14 +19,12 @@ import os
 import pytest
 import tensorflow as tf
 
-import epl
-from epl import env
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
 from epl.ir.graph_view import ancestors
 from epl.ir.schedule import BACKWARD, FORWARD, Step, make_schedule
 from graph_passes.schedule import SCHEDULE_EDGE_ATTR
 from graph_passes.verify import check_acyclic
-from test_pipeline import _session_config, build_encoder
+from test_pipeline import _parallelize, _session_config
 
 
 # --------------------------------------------------------------------------
@@ -57,16 +55,6 @@ def _attr(op, name):
     if attr is None:
         return None
     return attr.s.decode() if attr.WhichOneof("value") == "s" else attr.i
-
-
-def _parallelize(config, **build_kwargs):
-    env.reset()
-    epl.init(epl.Config({"debug.check_invariants": True, **config}))
-    graph = tf.Graph()
-    with graph.as_default():
-        built = build_encoder(**build_kwargs)
-        result = epl.parallelize(graph)
-    return graph, built, result
 
 
 def _step_of(op, stages):

@@ -377,9 +377,12 @@ def balance_batch(global_batch: int, capabilities: Sequence[float],
                   fixed_memory: float | Sequence[float] = 0.0,
                   capacity: float | Sequence[float] | None = None,
                   names: Sequence[str] | None = None,
-                  fixed_time: float | Sequence[float] | None = None
-                  ) -> BatchShares:
+                  fixed_time: float | Sequence[float] | None = None,
+                  minimum: int = 0) -> BatchShares:
     """Per-replica batch sizes proportional to capability, within memory.
+
+    minimum: examples every replica gets at least (1 when the replicas
+    already exist, as in a parallel graph: a replica cannot take no examples).
 
     Args:
         global_batch: examples per step (a non-negative int).
@@ -409,7 +412,7 @@ def balance_batch(global_batch: int, capabilities: Sequence[float],
             devices, a smaller global batch).
     """
     return _apportion(global_batch, capabilities, memory_per_example,
-                      fixed_memory, capacity, names, 0, "example",
+                      fixed_memory, capacity, names, minimum, "example",
                       f"the global batch of {global_batch} examples",
                       fixed_time)
 

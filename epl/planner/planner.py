@@ -1677,16 +1677,10 @@ def replica_weights_for_local_devices(model: Any,
     if not batch:
         total = sum(caps)
         return [c / total for c in caps]
+    # Every replica of the layout must get at least one example: a slow
+    # device that is not worth its share still gets one.
     shares = balance.balance_batch(batch, caps, per_example, fixed, usable,
-                                   names)
-    sizes = list(shares.sizes)
-    if batch >= len(sizes):
-        # Every replica of the layout must get at least one example: a slow
-        # device that is not worth its share still gets one (from the largest).
-        while 0 in sizes:
-            sizes[sizes.index(0)] += 1
-            sizes[sizes.index(max(sizes))] -= 1
-        return [size / batch for size in sizes]
+                                   names, minimum=1 if batch >= len(caps) else 0)
     if any(size == 0 for size in shares.sizes):
         raise ClusterError(
             f"the balanced plan gives replica(s) "
