@@ -45,6 +45,7 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
     del colocate_gradients_with_ops  # always colocated: backward ops follow forward ops
     check_graph_mode("Optimizer.compute_gradients under EPL")
     graph = loss.graph
+    var_list = split_before_autodiff(graph, loss, var_list)
     first = len(graph.get_operations())
     grads_and_vars = _ORIGINAL["compute_gradients"](
         self, loss, var_list=var_list, gate_gradients=gate_gradients,
@@ -59,6 +60,54 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
     graph_state(graph).train_steps.append(
         TrainStep(loss=loss, grads_and_vars=list(grads_and_vars), gradient_kwargs=kwargs))
     return grads_and_vars
+
+
+def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
+    """Run the split pass (graph_passes/split.py) on the finished forward graph.
+
+    Only when the graph has split TaskGraphs not split yet. Returns var_list
+    with every full variable the pass sharded replaced by its shards (None
+    stays None: the optimizer then reads the trainable collection, where the
+    shards replaced the full variable).
+    """
+    from epl.ir.annotations import StrategyKind
+    state = graph_state(graph)
+    done = {record.taskgraph for record in state.splits}
+    if not any(tg.spec.kind == StrategyKind.SPLIT and tg.name not in done
+               for tg in state.taskgraphs):
+        return var_list
+    from epl.cluster import local_cluster
+    from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
+    from epl.planner.plan import split_layout
+    from epl.planner.planner import local_shard_weights
+    from graph_passes.split import SplitPass, SplitPlan
+    config = get_config()
+    cluster = local_cluster(config)
+    _, devices = split_layout(state.taskgraphs, cluster,
+                              bool(config.get("cluster.colocate_split_and_replicate")))
+    plans = {name: SplitPlan(tuple(devs), _tuple(local_shard_weights(cluster, config, devs)))
+             for name, devs in devices.items()}
+    ctx = PassContext(config, None, cluster, None, None,
+                      artifacts={"split_loss": loss, "split_plans": plans})
+    instruments = [TimingInstrument()]
+    if config.get("debug.dump_dir"):
+        instruments.append(DumpInstrument(config.get("debug.dump_dir")))
+    with graph.as_default():
+        PassManager([SplitPass()], instruments).run(graph, ctx)
+    state.dumps_written = 1 + len(ctx.passes_run) if config.get("debug.dump_dir") else 0
+    if var_list is None:
+        return None
+    shards_of = {sharded.name: sharded.shards for record in ctx.artifacts["split"]
+                 for sharded in record.variables.values()}
+    mapped = []
+    for var in var_list:
+        name = getattr(getattr(var, "op", None), "name", None)
+        mapped.extend(shards_of.get(name, [var]))
+    return mapped
+
+
+def _tuple(weights):
+    return None if weights is None else tuple(weights)
 
 
 def _densify(grad):

@@ -114,10 +114,11 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
     view = analyze(graph, state)
     if replica_weights is None:  # the hardware-aware planner: uneven shares for mixed devices
         replica_weights = local_replica_weights(view, cluster, config)  # None = even split
-    plan = make_plan(view.taskgraphs, cluster, replica_weights)
+    plan = make_plan(view.taskgraphs + view.split_taskgraphs, cluster, replica_weights,
+                     bool(config.get("cluster.colocate_split_and_replicate")))
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):
-        instruments.append(DumpInstrument(config.get("debug.dump_dir")))
+        instruments.append(DumpInstrument(config.get("debug.dump_dir"), state.dumps_written))
     if config.get("debug.check_invariants"):
         instruments.append(InvariantInstrument())
     communicator = make_communicator(cluster, config)

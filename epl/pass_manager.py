@@ -82,18 +82,22 @@ class TimingInstrument(Instrument):
 class DumpInstrument(Instrument):
     """Writes the graph before the first pass and after each pass (debug.dump_dir)."""
 
-    def __init__(self, dump_dir: str):
+    def __init__(self, dump_dir: str, first_index: int = 0):
+        """first_index: index of the first dump (after dumps written at gradient time)."""
         self.dump_dir = dump_dir
+        self.first_index = first_index
 
     def before(self, graph_pass, graph, ctx):
-        if graph_pass is None:
-            self._write(0, "input", graph, {"duration_s": 0.0, "passes_before": []})
+        if graph_pass is None:  # the graph the passes receive
+            name = "input" if self.first_index == 0 else "gradients"
+            self._write(self.first_index, name, graph,
+                        {"duration_s": 0.0, "passes_before": []})
 
     def after(self, graph_pass, graph, ctx, result, duration_s):
         summary = {"duration_s": duration_s, "added": result.added, "removed": result.removed,
                    "op_map": result.op_map, "notes": result.notes,
                    "passes_before": list(ctx.passes_run[:-1])}
-        self._write(len(ctx.passes_run), graph_pass.name, graph, summary)
+        self._write(self.first_index + len(ctx.passes_run), graph_pass.name, graph, summary)
 
     def _write(self, index, name, graph, summary):
         from epl.dump_format import write_pass_dump
@@ -109,7 +113,11 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
     host device.
     """
     from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
-    fallback_tg = ctx.view.taskgraphs[0].name.encode()
+    if ctx.view is not None:
+        fallback_tg = ctx.view.taskgraphs[0].name.encode()
+    else:  # gradient time (the split pass): no view yet
+        from epl.ir.taskgraph import graph_state
+        fallback_tg = graph_state(graph).taskgraphs[0].name.encode()
     for op in graph.get_operations()[first_new:]:
         if TASKGRAPH_ATTR in op.node_def.attr and op.device:
             continue

@@ -110,6 +110,8 @@ class GradientCommPass(GraphPass):
         replication = ctx.artifacts["replicate"]
         config = ctx.config
         method = config.get("communication.gradients_reduce_method")
+        if replication.presummed:  # gradients already weighted by batch share (split models)
+            method = "sum"
         even = ctx.plan.even and ctx.communicator.num_workers == 1
         fp16_scale = float(config.get("communication.fp16_scale")) if config.get("communication.fp16") else None
         before = set(graph.get_operations())

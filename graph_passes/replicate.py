@@ -41,6 +41,17 @@ the template (never run: nothing the train op needs reads them), while the
 variables and the update ops stay the originals. This departs from DESIGN.md's
 "original ops remain replica 0" only for the forward/backward ops.
 
+Split TaskGraphs (`epl.split`, rewritten at gradient time by
+graph_passes/split.py) are not copied: their ops run once, over the global
+batch, on their own devices. `_run_with_split` connects them to the replicas
+(epl/ir/split_boundary.py: all-gather or all-to-all into the split ops, each
+replica's rows out of them) and then runs ONE autodiff over the whole step: of
+sum_k share_k x loss_k when the loss is replicated, or of the loss itself when
+a split op computes it over the global batch. Every replica's gradient is then
+already weighted by its share, so the gradient pass sums them
+(`Replication.presummed`); the shards' gradients are complete and are not
+reduced, and their updates run once.
+
 Artifacts for the next passes (ctx.artifacts["replicate"]): the per-replica
 (accumulated) copy of every gradient and each replica's weight, and, for the
 schedule pass, the forward copies and backward ops of every (replica,
@@ -89,6 +100,9 @@ class Replication:
     backward_ops: (replica, micro-batch) -> the backward ops regenerated for that copy,
       and the accumulation ops that add its gradients.
     loss_copies: (replica, micro-batch) -> the copies of the losses.
+    presummed: each replica's gradient is already weighted by its batch share
+      (split TaskGraphs: one autodiff of the weighted objective), so the
+      reduction is a plain sum.
     """
 
     gradients: list
@@ -101,6 +115,7 @@ class Replication:
     forward_copies: dict = dataclasses.field(default_factory=dict)
     backward_ops: dict = dataclasses.field(default_factory=dict)
     loss_copies: dict = dataclasses.field(default_factory=dict)
+    presummed: bool = False
 
 
 def _select_checkpoints(view, config) -> dict:
@@ -159,11 +174,14 @@ class ReplicatePass(GraphPass):
     requires = ("annotate",)
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+        self._check_split_supported(ctx.view, ctx)
         self._check_batch(ctx.view, ctx.plan, num_micro_batches(ctx.config))
         # raises for an empty or off-path collection; run() reuses the selection
         ctx.artifacts["checkpoints"] = _select_checkpoints(ctx.view, ctx.config)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        if ctx.view.split_ops:
+            return self._run_with_split(graph, ctx)
         view, plan = ctx.view, ctx.plan
         micro = num_micro_batches(ctx.config)
         sizes = self._check_batch(view, plan, micro)
@@ -235,6 +253,139 @@ class ReplicatePass(GraphPass):
         if micro > 1:
             notes.append(f"{micro} micro-batches per replica, gradients accumulated")
         return PassResult(added=added, op_map=op_map, notes=notes)
+
+    # -- split TaskGraphs -------------------------------------------------------
+    @staticmethod
+    def _check_split_supported(view, ctx) -> None:
+        """What the split path does not combine with yet, each with what to do instead."""
+        if not view.split_ops:
+            return
+        names = ", ".join(tg.spec.describe() for tg in view.split_taskgraphs)
+        problems = []
+        if num_micro_batches(ctx.config) > 1:
+            problems.append("pipeline.num_micro_batch > 1 (micro-batches)")
+        if ctx.config.get("gradient_checkpoint.type"):
+            problems.append("gradient_checkpoint.type")
+        if ctx.communicator.num_workers > 1:
+            problems.append("several workers (a split group spans one worker's devices)")
+        if ctx.config.get("communication.gradients_reduce_method") == "sum":
+            problems.append('communication.gradients_reduce_method "sum"')
+        if len(view.steps) != 1:
+            problems.append(f"{len(view.steps)} optimizer steps (one is supported)")
+        if any(step.gradient_kwargs.get("grad_loss") is not None for step in view.steps):
+            problems.append("compute_gradients(grad_loss=...)")
+        if problems:
+            raise ParallelizeError(
+                f"split TaskGraph(s) {names} cannot be combined with: {'; '.join(problems)}. "
+                "Turn these off for models with epl.split, or replicate the split part instead.")
+
+    def _run_with_split(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        """Replicas around split TaskGraphs: copy, connect, one global autodiff."""
+        from epl.ir.split_boundary import SplitBoundary
+        from epl.ir.taskgraph import graph_state
+        view, plan = ctx.view, ctx.plan
+        self._check_split_supported(view, ctx)
+        sizes = self._check_batch(view, plan, 1)
+        shape_consts = self._shape_constants(view)
+        before = set(graph.get_operations())
+        forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
+        apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
+        devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
+        self._place(graph, view, plan)
+        slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device, 1)
+        mirrors = self._mirror_variables(view, plan)
+        first_stage = view.taskgraphs[0]
+        boundary = SplitBoundary(view, plan, weights, graph_state(graph).splits,
+                                 lambda k: plan.device(first_stage, k))
+        inputs = dict(slices)
+        inputs.update(boundary.outputs_to_replicas(forward))
+        forward_copies = {}
+        for k in range(plan.num_replicas):
+            forward_copies[(k, 0)] = self._copy_forward(view, plan, (k, 0), 1, forward, inputs,
+                                                        mirrors, shape_consts)
+        bypassed = boundary.connect_inputs({k: forward_copies[(k, 0)]
+                                            for k in range(plan.num_replicas)})
+        step = view.steps[0]
+        gradients, backward = self._global_gradients(view, plan, step, forward_copies, weights,
+                                                     mirrors)
+        replica_maps = [dict(forward_copies[(k, 0)]) for k in range(plan.num_replicas)]
+        for k in range(1, plan.num_replicas):
+            replica_maps[k].update(self._copy_apply(view, plan, k, apply_ops, slices, mirrors,
+                                                    replica_maps[k], gradients[k]))
+        gradient_map = _gradient_map(view, gradients[0])
+        split_vars = set(view.split_variables)
+        for (orig, var), new in zip(view.gradients, gradients[0]):
+            if var in split_vars and isinstance(orig, tf.IndexedSlices):
+                gradient_map[orig.values] = new.values
+                gradient_map[orig.indices] = new.indices
+        self._rewire_replica0_apply(apply_ops + view.split_apply_ops, replica_maps[0], gradient_map)
+        self._chain_train_ops(view, replica_maps)
+        units = [forward_copies[(k, 0)] for k in range(plan.num_replicas)]
+        merged = self._merge_fetches(graph, view, units, weights, devices, ctx.communicator)
+        sync_ops = self._sync_ops(mirrors, ctx.communicator)
+        per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)], grad)
+                        for i, (grad, var) in enumerate(view.gradients) if var not in split_vars]
+        loss_copies = {(k, 0): [forward_copies[(k, 0)][t.op].outputs[t.value_index]
+                                for t in view.losses if t.op in forward_copies[(k, 0)]]
+                       for k in range(plan.num_replicas)}
+        ctx.artifacts[self.name] = Replication(per_gradient, weights, merged, sync_ops, mirrors,
+                                               replica_maps, 1, forward_copies,
+                                               {(0, 0): backward}, loss_copies, presummed=True)
+        added = [op.name for op in graph.get_operations() if op not in before]
+        op_map = {op.name: [forward_copies[u][op].name for u in sorted(forward_copies)]
+                  for op in forward}
+        notes = [f"{plan.num_replicas} replicas, shares {list(plan.replica_weights)}",
+                 f"split TaskGraphs {[tg.name for tg in view.split_taskgraphs]} run once on "
+                 f"{dict(plan.split_devices)}; {len(view.split_variables)} split variables; "
+                 f"{len(bypassed)} dispatch slices became all-to-all exchanges"]
+        return PassResult(added=added, op_map=op_map, notes=notes)
+
+    @staticmethod
+    def _global_gradients(view, plan, step, forward_copies, weights, mirrors):
+        """One autodiff of the weighted objective over every replica and split op.
+
+        Returns ([per replica: gradients aligned with view.gradients], backward ops).
+        """
+        graph = view.graph
+        loss = step.loss
+        if loss.op in forward_copies[(0, 0)]:
+            copies = [forward_copies[(k, 0)][loss.op].outputs[loss.value_index]
+                      for k in range(plan.num_replicas)]
+            with tf.name_scope("EPL_OBJECTIVE"):
+                objective = tf.add_n([tf.cast(w, c.dtype) * c for w, c in zip(weights, copies)])
+        else:  # computed by split ops over the global batch
+            objective = loss
+        pairs = [(g, v) for g, v in step.grads_and_vars if g is not None]
+        targets, index = [], {}
+        for _, var in pairs:
+            if var.op in mirrors:
+                for k, copy in enumerate(mirrors[var.op]):
+                    index[(var.op, k)] = len(targets)
+                    targets.append(copy.outputs[0])
+            else:
+                index[(var.op, None)] = len(targets)
+                targets.append(var.op.outputs[0])
+        kwargs = step.gradient_kwargs
+        gate = kwargs.get("gate_gradients", tf.compat.v1.train.Optimizer.GATE_OP)
+        first = len(graph.get_operations())
+        grads = tf.compat.v1.gradients(
+            objective, targets, gate_gradients=gate == tf.compat.v1.train.Optimizer.GATE_OP,
+            aggregation_method=kwargs.get("aggregation_method"), colocate_gradients_with_ops=True)
+        if gate == tf.compat.v1.train.Optimizer.GATE_GRAPH:
+            grads = tf.tuple(grads)
+        if kwargs.get("sparse_as_dense"):
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        backward = graph.get_operations()[first:]
+        _tag_global_backward(backward, plan.device(view.taskgraphs[0], 0))
+        per_replica = []
+        for k in range(plan.num_replicas):
+            row = []
+            for _, var in view.gradients:
+                position = index.get((var, k), index.get((var, None)))
+                row.append(grads[position] if position is not None else None)
+            per_replica.append(row)
+        return per_replica, backward
 
     # -- analysis -----------------------------------------------------------
     @staticmethod
@@ -310,7 +461,12 @@ class ReplicatePass(GraphPass):
     def _place(graph, view, plan) -> None:
         """Originals on replica 0's devices; everything else where it belongs."""
         replica = set(view.replica_ops) | set(view.variables)
+        split = {tg.name for tg in view.split_taskgraphs}  # split ops keep their devices
+        mirrored = set(view.variables)
         for op in graph.get_operations():
+            taskgraph = view.taskgraph_of.get(op)
+            if taskgraph is not None and taskgraph.name in split and op not in mirrored:
+                continue
             if op in replica or (op in view.taskgraph_of and op.type in ("VarHandleOp", "VariableV2")):
                 op._set_device(plan.device(view.taskgraph_of[op], 0))
         for op in view.replica_ops:  # a variable read by a later stage is read where it lives
@@ -715,6 +871,27 @@ def _tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | No
         if source is not None and TASKGRAPH_ATTR in source.node_def.attr:
             op._set_attr(TASKGRAPH_ATTR, source.node_def.attr[TASKGRAPH_ATTR])
         op._set_device(source.device if source is not None and source.device else fallback_device)
+
+
+def _tag_global_backward(ops, fallback_device: str) -> None:
+    """Phase, TaskGraph, replica and device of the ops of the one global autodiff.
+
+    Each op follows the forward op it is colocated with (or its first tagged
+    input): its TaskGraph, its replica (absent for split ops) and its device.
+    """
+    phase = tf.compat.v1.AttrValue(s=Phase.BACKWARD.value.encode())
+    for op in ops:
+        op._set_attr(PHASE_ATTR, phase)
+        source = colocation_root(op) or next(
+            (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
+             if TASKGRAPH_ATTR in producer.node_def.attr), None)
+        if source is None:
+            op._set_device(fallback_device)
+            continue
+        for name in (TASKGRAPH_ATTR, REPLICA_ATTR):
+            if name in source.node_def.attr:
+                op._set_attr(name, source.node_def.attr[name])
+        op._set_device(source.device or fallback_device)
 
 
 def _shape_op(const: tf.Operation, source: tf.Tensor, name: str, device: str,

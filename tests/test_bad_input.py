@@ -139,18 +139,3 @@ def test_bad_device_count_value():
     with pytest.raises(epl.ScopeError) as err:
         epl.replicate(device_count=0)
     assert "device_count must be a positive integer" in str(err.value)
-
-
-def test_split_is_refused_not_silently_replicated():
-    epl.init(epl.Config({"cluster.virtual_devices": 2}))
-    with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [8, 4])
-        with epl.split(device_count=2, name="classifier"):
-            w = tf.compat.v1.get_variable("w", [4, 1])
-            loss = tf.reduce_mean(tf.matmul(x, w))
-        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-        with pytest.raises(epl.ParallelizeError) as err:
-            epl.parallelize(graph)
-    assert str(err.value).startswith(
-        "epl.split(device_count=2, name='classifier'): tensor and expert parallelism "
-        "(epl.split) is not implemented yet")

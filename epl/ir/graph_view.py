@@ -25,7 +25,14 @@ Rules, in the order they are applied:
   otherwise the scope's attribute where set; an untagged op of another phase
   takes the TaskGraph of the op it is colocated with; an untagged forward op
   takes the latest TaskGraph among its inputs; anything else takes the first
-  TaskGraph.
+  replicated TaskGraph.
+- Split TaskGraphs (epl.split, rewritten at gradient time by
+  graph_passes/split.py): their forward ops ("split ops") run once over the
+  global batch, on their own devices, and are not copied per replica; the
+  variables they read (the shards) are not mirrored, and the updates of those
+  variables ("split apply ops": apply ops that take such a variable) run once.
+  Ops the split pass replaced (attr `_epl_split_replaced`) never run: phase
+  "other".
 """
 from __future__ import annotations
 
@@ -35,6 +42,9 @@ import tensorflow as tf
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind, StrategySpec
+
+# graph_passes/split.py marks the ops it replaced with this attr (they never run).
+SPLIT_REPLACED_ATTR = "_epl_split_replaced"
 from epl.ir.taskgraph import GraphState, TaskGraph
 
 VARIABLE_OP_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
@@ -65,6 +75,11 @@ class TrainingView:
     losses: the losses passed to compute_gradients.
     gradients: (gradient tensor, variable op) for every trainable gradient.
     train_ops: the ops apply_gradients returned.
+    split_taskgraphs: the epl.split TaskGraphs (not in `taskgraphs`, which are
+      the replicated ones, in stage order).
+    split_ops: forward ops of split TaskGraphs (run once, not copied).
+    split_apply_ops: apply ops that update a variable of a split op (run once).
+    split_variables: variables read by split ops (the shards; not mirrored).
     """
 
     graph: tf.Graph
@@ -80,6 +95,10 @@ class TrainingView:
     gradients: list[tuple[tf.Tensor, tf.Operation]]
     train_ops: list[tf.Operation]
     steps: list = dataclasses.field(default_factory=list)
+    split_taskgraphs: list = dataclasses.field(default_factory=list)
+    split_ops: list = dataclasses.field(default_factory=list)
+    split_apply_ops: list = dataclasses.field(default_factory=list)
+    split_variables: list = dataclasses.field(default_factory=list)
 
     def describe_op(self, op: tf.Operation) -> str:
         """One line naming an op for error messages: name, type, shape, TaskGraph, device."""
@@ -200,7 +219,7 @@ def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor
 
 def _resolve_taskgraphs(ops, state: GraphState, phase_of) -> dict[tf.Operation, TaskGraph]:
     """TaskGraph of every op, following the rules in the module docstring."""
-    first = state.taskgraphs[0]
+    first = next(tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT)
     resolved: dict[tf.Operation, TaskGraph] = {}
     for op in ops:  # creation order: inputs and colocation roots come first
         taskgraph = None
@@ -224,6 +243,9 @@ def _resolve_taskgraphs(ops, state: GraphState, phase_of) -> dict[tf.Operation, 
 def _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_inputs):
     phase_of: dict[tf.Operation, Phase] = {}
     for op in ops:
+        if SPLIT_REPLACED_ATTR in op.node_def.attr:
+            phase_of[op] = Phase.OTHER
+            continue
         tagged = _attr_string(op, PHASE_ATTR)
         if tagged in (Phase.BACKWARD.value, Phase.APPLY.value):
             phase_of[op] = Phase(tagged)
@@ -252,6 +274,28 @@ def _check_control_flow(replica_ops, describe) -> None:
             ". Call tf.compat.v1.enable_control_flow_v2() before building the model.")
 
 
+def _split_parts(step_region, split_tgs, taskgraph_of, phase_of, variable_ops):
+    """(split ops, split apply ops, split variables) of the training step.
+
+    Split variables: the variables of split TaskGraphs (the shards, and what
+    the optimizer colocated with them: slots, and Adam's beta powers when the
+    first variable by name is a shard). They are not mirrored; every apply op
+    that takes one of them (its update, its slots' updates, reads of the beta
+    powers) runs once, and the replicas' update copies read the same values.
+    """
+    if not split_tgs:
+        return [], [], []
+    split_names = {tg.name for tg in split_tgs}
+    split_ops = [op for op in step_region if phase_of[op] == Phase.FORWARD
+                 and taskgraph_of[op].name in split_names]
+    variables = [op for op in variable_ops if taskgraph_of[op].name in split_names
+                 and SPLIT_REPLACED_ATTR not in op.node_def.attr]
+    chosen = set(variables)
+    apply_ops = [op for op in step_region if phase_of[op] == Phase.APPLY
+                 and any(t.op in chosen for t in op.inputs)]
+    return split_ops, apply_ops, variables
+
+
 def training_steps(state: GraphState):
     """The recorded steps that have a train op; error if there are none."""
     steps = [s for s in state.train_steps if s.train_op is not None and s.loss is not None]
@@ -267,14 +311,8 @@ def training_steps(state: GraphState):
 def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     """Build the TrainingView of `graph`; raises ParallelizeError on bad input."""
     steps = training_steps(state)
-    split = [tg.spec for tg in state.taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
-    if split:
-        raise ParallelizeError(
-            f"{split[0].describe()}: tensor and expert parallelism (epl.split) is not "
-            "implemented yet in this version of EPL, and EPL will not silently replicate what "
-            "you asked to split. Use epl.replicate for now.")
-    if not state.taskgraphs:
-        state.add_taskgraph(IMPLICIT_SPEC)
+    if not any(tg.spec.kind != StrategyKind.SPLIT for tg in state.taskgraphs):
+        state.add_taskgraph(IMPLICIT_SPEC)  # ops outside any scope: the default strategy
     ops = graph.get_operations()
     losses = [s.loss for s in steps]
     train_ops = [s.train_op for s in steps]
@@ -290,15 +328,22 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     batch_region = ancestors([t.op for t in batch_inputs])
     phase_of = _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_inputs)
     taskgraph_of = _resolve_taskgraphs(ops, state, phase_of)
-    replica_ops = [op for op in ops
+    step_region = [op for op in ops
                    if op.type not in VARIABLE_OP_TYPES and op not in batch_region and (
                        phase_of[op] == Phase.FORWARD or (
                            phase_of[op] in (Phase.BACKWARD, Phase.APPLY) and op in step_ops))]
+    split_tgs = [tg for tg in state.taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
+    split_ops, split_apply, split_variables = _split_parts(
+        step_region, split_tgs, taskgraph_of, phase_of,
+        [op for op in ops if op.type in VARIABLE_OP_TYPES])
+    single = set(split_ops) | set(split_apply)
+    replica_ops = [op for op in step_region if op not in single]
     replica_set = set(replica_ops)
     variables = [op for op in ops if op.type in VARIABLE_OP_TYPES
                  and any(c in replica_set for out in op.outputs for c in out.consumers())]
-    view = TrainingView(graph, list(state.taskgraphs), taskgraph_of, phase_of, step_ops,
+    replicated_tgs = [tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT]
+    view = TrainingView(graph, replicated_tgs, taskgraph_of, phase_of, step_ops,
                         replica_ops, batch_inputs, batch, variables, losses, gradients, train_ops,
-                        steps)
+                        steps, split_tgs, split_ops, split_apply, split_variables)
     _check_control_flow(replica_ops, view.describe_op)
     return view

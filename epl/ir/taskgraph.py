@@ -61,6 +61,9 @@ class GraphState:
     default_spec: StrategySpec | None = None
     default_scope_exit: Any = None
     train_steps: list[TrainStep] = dataclasses.field(default_factory=list)
+    # graph_passes/split.SplitRecord per split TaskGraph, written at gradient time
+    splits: list = dataclasses.field(default_factory=list)
+    dumps_written: int = 0   # pass dumps written before parallelize (the split pass)
     parallelized: bool = False
     result: Any = None   # epl.parallel.ParallelGraph once parallelized
 

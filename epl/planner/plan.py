@@ -1,9 +1,13 @@
 """Plan: where each TaskGraph's replicas go and how the batch is shared.
 
 `make_plan` turns the TaskGraphs, the cluster and the config into a Plan. The
-layout: one replica of the model spans the sum of its TaskGraphs'
+layout: one replica of the model spans the sum of its replicated TaskGraphs'
 `device_count`s; the local devices are cut into that many replicas; TaskGraph t
 of replica r runs on the first device of its slice of replica r's devices.
+A split TaskGraph (`epl.split(k)`) is not replicated: it spans k devices, the
+first k of the worker, shared with the replicas
+(`cluster.colocate_split_and_replicate`, and always when the worker has no
+device to spare), or else the last k, the replicas taking the others.
 Batch shares default to even; the hardware-aware planner (device profiles)
 supplies uneven shares, and tests may pass their own.
 """
@@ -29,6 +33,7 @@ class Plan:
     num_replicas: int
     devices: dict
     replica_weights: tuple[float, ...]
+    split_devices: dict = dataclasses.field(default_factory=dict)  # split TaskGraph -> devices
 
     def device(self, taskgraph: TaskGraph, replica: int) -> str:
         """Device of `taskgraph` in `replica`."""
@@ -55,9 +60,41 @@ class Plan:
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _layout(taskgraphs: list[TaskGraph], cluster: Cluster) -> tuple[int, dict]:
-    per_replica = sum(tg.spec.device_count for tg in taskgraphs)
+def _is_split(taskgraph: TaskGraph) -> bool:
+    return taskgraph.spec.kind.value == "split"
+
+
+def split_layout(taskgraphs: list[TaskGraph], cluster: Cluster,
+                 colocate: bool = True) -> tuple[int, dict]:
+    """(devices left to the replicas, {split TaskGraph name: its devices})."""
     available = cluster.num_local_devices
+    split = [tg for tg in taskgraphs if _is_split(tg)]
+    if not split:
+        return available, {}
+    widest = max(split, key=lambda tg: tg.spec.device_count)
+    k = widest.spec.device_count
+    if k > available:
+        raise ClusterError(
+            f"{widest.spec.describe()} splits over {k} devices but this worker has {available} "
+            f"{cluster.device_type} device(s). Lower device_count, or add devices (on CPU: "
+            "cluster.virtual_devices).")
+    per_replica = sum(tg.spec.device_count for tg in taskgraphs if not _is_split(tg)) or 1
+    if not colocate and available - k >= per_replica:
+        usable, first = available - k, available - k
+    else:
+        usable, first = available, 0
+    return usable, {tg.name: tuple(cluster.local_devices[first:first + tg.spec.device_count])
+                    for tg in split}
+
+
+def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True
+            ) -> tuple[int, dict, dict]:
+    available, split_devices = split_layout(taskgraphs, cluster, colocate)
+    replicated = [tg for tg in taskgraphs if not _is_split(tg)]
+    if not replicated:
+        raise ClusterError("the model has no replicated part: every TaskGraph is epl.split.")
+    taskgraphs = replicated
+    per_replica = sum(tg.spec.device_count for tg in taskgraphs)
     widest = max(taskgraphs, key=lambda tg: tg.spec.device_count)
     if widest.spec.device_count > available or per_replica > available:
         raise ClusterError(
@@ -77,16 +114,19 @@ def _layout(taskgraphs: list[TaskGraph], cluster: Cluster) -> tuple[int, dict]:
     for tg in taskgraphs:
         devices[tg.name] = [cluster.local_devices[r * per_replica + offset] for r in range(replicas)]
         offset += tg.spec.device_count
-    return replicas, devices
+    for name, split in split_devices.items():   # template ops of a split TaskGraph
+        devices[name] = [split[0]] * replicas
+    return replicas, devices, split_devices
 
 
 def make_plan(taskgraphs: list[TaskGraph], cluster: Cluster,
-              replica_weights: list[float] | None = None) -> Plan:
+              replica_weights: list[float] | None = None, colocate_split: bool = True) -> Plan:
     """Lay the TaskGraphs out on the cluster; raise ClusterError if they do not fit.
 
     replica_weights: optional batch shares per replica (positive; normalized).
+    colocate_split: `cluster.colocate_split_and_replicate`.
     """
-    replicas, devices = _layout(taskgraphs, cluster)
+    replicas, devices, split_devices = _layout(taskgraphs, cluster, colocate_split)
     if replica_weights is None:
         weights = tuple(1.0 / replicas for _ in range(replicas))
     else:
@@ -97,4 +137,4 @@ def make_plan(taskgraphs: list[TaskGraph], cluster: Cluster,
                 f"one per replica ({replicas} replicas on {cluster.num_local_devices} devices).")
         total = sum(weights)
         weights = tuple(w / total for w in weights)
-    return Plan(replicas, devices, weights)
+    return Plan(replicas, devices, weights, split_devices)

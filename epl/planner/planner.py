@@ -1736,6 +1736,32 @@ def local_replica_weights(view: Any, cluster: Any, config: Any
     return weights
 
 
+def local_shard_weights(cluster: Any, config: Any, devices: Sequence[str]
+                        ) -> list[float] | None:
+    """Capability weights of a split TaskGraph's devices (the split pass's shard sizes).
+
+    None (even shards) unless `cluster.device_profiles` makes the devices
+    differ; then each device's share is proportional to its float32 peak
+    FLOP/s (a shard's work grows with its size), the Whale paper's
+    capability-proportional split.
+    """
+    from epl import profiles as profiles_lib
+    overrides = config.get("cluster.device_profiles") or {}
+    if not overrides:
+        return None
+    n = cluster.num_local_devices
+    if cluster.device_type == "CPU":
+        profiles = profiles_lib.virtual_cpu_profiles(n, overrides)
+    else:
+        profiles = [_gpu_profile(i, overrides) for i in range(n)]
+    chosen = [profiles[int(device.rsplit(":", 1)[1])] for device in devices]
+    total_flops = sum(p.flops("float32") for p in chosen)
+    weights = [p.flops("float32") / total_flops for p in chosen]
+    if all(math.isclose(w, weights[0], rel_tol=1e-12) for w in weights):
+        return None
+    return weights
+
+
 def _gpu_profile(index: int, overrides: Mapping[str, Any]) -> DeviceProfile:
     """The profile of local GPU `index` (from TensorFlow's device details)."""
     import tensorflow as tf

@@ -1,0 +1,146 @@
+"""Where data-parallel replicas meet split TaskGraphs (used by the replicate pass).
+
+The split pass (graph_passes/split.py) rewrote each `epl.split` TaskGraph at
+gradient time into per-device ops over the global batch. The replicate pass
+then copies the replicated TaskGraphs once per replica, each on its slice of
+the batch (batch axis 0). This module builds the exchanges between the two:
+
+- Into a split op, from the replicas: a batch-derived tensor becomes the
+  concatenation of every replica's copy along axis 0, built on the split op's
+  device (an all-gather: each replica's rows travel once to each device that
+  reads them). When the split op is a dispatch slice (an expert slice along a
+  non-batch axis, `SplitRecord.slicers`), each replica slices its own copy
+  first and the device concatenates only its experts' slices: an all-to-all.
+  A scalar (a batch mean) becomes the batch-share-weighted sum of the copies;
+  a tensor that does not depend on the examples comes from replica 0.
+- Out of a split op, into replica k: the rows of replica k along axis 0. When
+  the tensor is the combine concat of expert shards (`SplitRecord.gathers`
+  along a non-batch axis), each shard sends replica k only its rows and the
+  replica concatenates them: the all-to-all back. Tensors that do not depend
+  on the examples (weights) go to every replica whole.
+
+Row boundaries follow the replicas' batch shares: round(rows x cumulative
+share), exact when the rows are the batch times a constant (tokens per example).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from epl.ir.annotations import REPLICA_ATTR
+from epl.ir.clone import replace_input
+from epl.ir.graph_view import descendants
+
+
+class SplitBoundary:
+    """Builds the exchanges between replicated copies and split ops."""
+
+    def __init__(self, view, plan, weights: list, records: list, replica_device):
+        self.view = view
+        self.plan = plan
+        self.weights = weights
+        self.replica_device = replica_device          # k -> a device of replica k
+        self.split_set = set(view.split_ops)
+        self.slicers = {t: s for record in records for t, s in record.slicers.items()}
+        self.gathers = {t: g for record in records for t, g in record.gathers.items()}
+        self.batch_derived = descendants(view.batch_inputs)
+        self._cache: dict = {}
+
+    # -- split -> replicas -----------------------------------------------------
+    def outputs_to_replicas(self, forward: list) -> dict:
+        """{split tensor read by a replicated forward op: [replica k's value]}."""
+        forward_set = set(forward)
+        read = []
+        for op in forward:
+            for tensor in op.inputs:
+                if tensor.op in self.split_set and tensor not in read:
+                    read.append(tensor)
+        del forward_set
+        return {tensor: [self._rows_for(tensor, k) for k in range(self.plan.num_replicas)]
+                for tensor in read}
+
+    def _rows_for(self, tensor: tf.Tensor, k: int) -> tf.Tensor:
+        if tensor.shape.rank == 0 or tensor.op not in self.batch_derived:
+            return tensor
+        device = self.replica_device(k)
+        gather = self.gathers.get(tensor)
+        with tf.name_scope("EPL_SPLIT_BOUNDARY"), \
+                tensor.graph._attr_scope({REPLICA_ATTR: tf.compat.v1.AttrValue(i=k)}):
+            if gather is not None and gather[1] != 0:      # all-to-all back: shards -> replica k
+                parts, axis = gather
+                pieces = []
+                for part in parts:
+                    with tf.device(part.device):
+                        pieces.append(self._rows(part, k))
+                with tf.device(device):
+                    return tf.concat(pieces, axis=axis)
+            with tf.device(tensor.device):
+                return self._rows(tensor, k)
+
+    def _rows(self, tensor: tf.Tensor, k: int) -> tf.Tensor:
+        """Replica k's rows (axis 0) of a tensor over the global batch."""
+        weights = self.weights
+        static = tensor.shape[0] if tensor.shape.rank else None
+        if static is not None and all(isinstance(w, float) for w in weights):
+            bounds = [int(round(static * sum(weights[:j]))) for j in range(len(weights))]
+            bounds.append(static)
+            return tensor[bounds[k]:bounds[k + 1]]
+        rows = tf.cast(tf.shape(tensor, out_type=tf.int64)[0], tf.float64)
+        cumulative = [tf.add_n([tf.cast(w, tf.float64) for w in weights[:j]]) if j else
+                      tf.constant(0.0, tf.float64) for j in range(len(weights))]
+        start = tf.cast(tf.round(rows * cumulative[k]), tf.int64)
+        end = (tf.cast(tf.round(rows * cumulative[k + 1]), tf.int64) if k + 1 < len(weights)
+               else tf.cast(rows, tf.int64))
+        return tensor[start:end]
+
+    # -- replicas -> split -----------------------------------------------------
+    def connect_inputs(self, forward_copies: dict) -> list:
+        """Make every split op read the replicas' copies instead of the template.
+
+        forward_copies: replica k -> {template forward op: its copy}. Returns the
+        dispatch slices it bypassed (they no longer run).
+        """
+        replicas = self.plan.num_replicas
+        template = forward_copies[0]
+        bypassed = []
+        for op in self.view.split_ops:
+            for tensor in list(op.inputs):
+                if tensor.op not in template:
+                    continue
+                copies = [forward_copies[k][tensor.op].outputs[tensor.value_index]
+                          for k in range(replicas)]
+                slicer = self.slicers.get(op.outputs[0]) if op.outputs else None
+                if slicer is not None and slicer.source is tensor and slicer.axis != 0 \
+                        and tensor.op in self.batch_derived:
+                    dispatched = self._dispatch(copies, slicer, op.device)
+                    for consumer in list(op.outputs[0].consumers()):
+                        replace_input(consumer, op.outputs[0], dispatched)
+                    bypassed.append(op)
+                    continue
+                replace_input(op, tensor, self._gathered(tensor, copies, op.device))
+        return bypassed
+
+    def _dispatch(self, copies: list, slicer, device: str) -> tf.Tensor:
+        """All-to-all: each replica sends the device its slice along slicer.axis."""
+        pieces = []
+        for k, copy in enumerate(copies):
+            begin = [0] * copy.shape.rank
+            size = [-1] * copy.shape.rank
+            begin[slicer.axis], size[slicer.axis] = slicer.offset, slicer.size
+            with tf.device(copy.device), tf.name_scope("EPL_SPLIT_DISPATCH"):
+                pieces.append(tf.slice(copy, begin, size))
+        with tf.device(device), tf.name_scope("EPL_SPLIT_DISPATCH"):
+            return tf.concat(pieces, axis=0)
+
+    def _gathered(self, tensor: tf.Tensor, copies: list, device: str) -> tf.Tensor:
+        key = (tensor, device)
+        if key in self._cache:
+            return self._cache[key]
+        with tf.device(device), tf.name_scope("EPL_SPLIT_GATHER"):
+            if tensor.shape.rank == 0:       # a mean over the batch: weight by batch share
+                value = tf.add_n([tf.cast(w, c.dtype) * c for w, c in zip(self.weights, copies)])
+            elif tensor.op not in self.batch_derived:
+                value = copies[0]
+            else:                            # all-gather of the replicas' rows
+                value = tf.concat(copies, axis=0)
+        self._cache[key] = value
+        return value

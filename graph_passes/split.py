@@ -1,0 +1,779 @@
+"""Tensor and expert parallelism: the split pass (runs at gradient time).
+
+DESIGN.md, "Data flow", step 2: when the optimizer's compute_gradients is
+called, the forward graph is finished but has no gradients yet. This pass
+rewrites, for every `epl.split(k)` TaskGraph, the ops of that TaskGraph on the
+path to the loss into per-device ops on the TaskGraph's k devices ("slots");
+autodiff then runs on the rewritten graph, so every gradient follows its
+shard. At parallelize time the replicate pass connects the split ops to the
+data-parallel replicas (graph_passes/replicate.py, "split TaskGraphs").
+
+How it works: sharding propagation in creation order. Every tensor of the
+region has a layout:
+- full (the tensor as the single-device graph computes it; the default),
+- `Sharded(parts, axis, sizes)`: slot j holds the slice j along `axis`,
+- `Partial(parts)`: slot j holds a full-shaped partial sum; the value is the sum,
+- `Pending(variable)`: the read of a variable created in the region, not yet
+  sharded; the first op that needs it sharded decides the axis ("the axis the
+  layer needs") and the variable becomes a ShardedVariable
+  (epl/sharded_variable.py).
+A rule, registered per op type (`@rule("MatMul")`), maps the input layouts of
+one op to per-slot ops and output layouts. An op whose inputs are all full is
+left alone. An op with a sharded input and no rule (or a rule that does not
+cover that combination) is not split: its sharded inputs are gathered into the
+full tensor first, and the pass warns, naming the op and its type (the
+"fallbacks" in the record). Where a sharded or partial tensor is read outside
+the rewritten ops (the loss outside the scope, a metric) it is gathered
+(concat) or summed there. Rules:
+- MatMul: a column-split weight (input full, output sharded on its last axis);
+  a row-split weight (input sharded on the contracted axis, output partial:
+  the one collective of a column layer followed by a row layer).
+- BatchMatMulV2/V3 with an [experts, m, n] weight: the weight is split along
+  its expert axis (the expert count must be divisible by k), the input is
+  sliced along the same experts (dispatch), the output stays sharded by
+  expert and is concatenated back where it leaves the region (combine). With
+  data-parallel replicas around it the replicate pass turns the dispatch and
+  the combine into all-to-all exchanges.
+- BiasAdd and elementwise ops on sharded tensors (biases and scales are split
+  along with the tensor they are added to); sums of partial tensors.
+- GatherV2/ResourceGather (embedding lookup) with a vocabulary-split table:
+  each id is looked up on the shard that owns it (dynamic partition and
+  stitch, so sparse gradients touch only real rows).
+- SparseSoftmaxCrossEntropyWithLogits / SoftmaxCrossEntropyWithLogits over
+  vocabulary-split logits: distributed max and sum of exponentials and the
+  label logit from the shard that owns it; the logits are never gathered.
+
+Shard sizes come from the split plan (`SplitPlan`): even by default, or
+capability-weighted (epl.planner.planner.local_shard_weights) when device
+profiles say the devices differ. The pass records what it built on the graph's
+state (`SplitRecord`): the sharded variables, the dispatch slices and combine
+concats the replicate pass rewires, the replaced ops, and the fallbacks.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+
+import tensorflow as tf
+
+from epl.errors import ParallelizeError
+from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind
+from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.ir.clone import replace_input
+from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.sharded_variable import SHARD_ATTR, ShardedVariable, shard_existing, shard_sizes
+
+# Set on every op the split pass replaced (it stays in the graph, never runs).
+REPLACED_ATTR = "_epl_split_replaced"
+
+
+class SplitFallbackWarning(UserWarning):
+    """An op inside epl.split has no rule for its sharded input; it runs unsplit."""
+
+
+# --------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Sharded:
+    """Slot j holds slice j of the value along `axis` (extents `sizes`)."""
+
+    parts: list
+    axis: int
+    sizes: tuple
+
+
+@dataclasses.dataclass
+class Partial:
+    """Slot j holds a partial sum; the value is the sum over slots."""
+
+    parts: list
+
+
+@dataclasses.dataclass
+class Full:
+    """The value, recomputed by the pass (replaces the original tensor)."""
+
+    tensor: tf.Tensor
+
+
+@dataclasses.dataclass
+class Pending:
+    """The read of a region variable that no rule has sharded yet."""
+
+    variable: object
+    read: tf.Tensor
+
+
+KEEP = object()  # a rule's answer: leave the op as it is (all of its inputs stay full)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """Where one split TaskGraph goes: its devices and each device's share."""
+
+    devices: tuple
+    weights: tuple | None = None   # None: even shards
+
+    def sizes(self, dim: int, what: str, must_divide: bool = False) -> list[int]:
+        """Extents of `dim` over the devices (see epl.sharded_variable.shard_sizes)."""
+        return shard_sizes(dim, len(self.devices), self.weights, what, must_divide)
+
+
+@dataclasses.dataclass
+class Slicer:
+    """A dispatch slice: slot `slot` reads `source`[offset:offset+size] along `axis`."""
+
+    source: tf.Tensor
+    axis: int
+    offset: int
+    size: int
+    slot: int
+
+
+@dataclasses.dataclass
+class SplitRecord:
+    """What the split pass built for one split TaskGraph (kept on the GraphState).
+
+    variables: full variable name -> ShardedVariable.
+    slicers: slot tensor -> Slicer (dispatch: the replicate pass may feed the
+      slot from every replica's rows directly, an all-to-all).
+    gathers: full tensor -> (parts, axis) (combine: concat of the shards).
+    replaced: ops the pass replaced (never run).
+    ops: the ops the region runs (per-slot ops and ops left unsplit).
+    fallbacks: "op (type)" of ops with a sharded input that ran unsplit.
+    """
+
+    taskgraph: str
+    plan: SplitPlan
+    variables: dict = dataclasses.field(default_factory=dict)
+    slicers: dict = dataclasses.field(default_factory=dict)
+    gathers: dict = dataclasses.field(default_factory=dict)
+    replaced: set = dataclasses.field(default_factory=set)
+    ops: list = dataclasses.field(default_factory=list)
+    fallbacks: list = dataclasses.field(default_factory=list)
+
+
+# --------------------------------------------------------------------------
+# the rule registry
+# --------------------------------------------------------------------------
+
+RULES: dict = {}
+
+
+def rule(*op_types: str):
+    """Register `fn(rewriter, op, layouts) -> [layout per output] | KEEP | None` for op types.
+
+    layouts[i] is the layout of op.inputs[i] (None: full). None means the rule
+    does not cover this combination (the op falls back to running unsplit).
+    """
+    def register(fn):
+        for op_type in op_types:
+            RULES[op_type] = fn
+        return fn
+    return register
+
+
+def splittable_op_types() -> list[str]:
+    """The op types the split pass has a rule for."""
+    return sorted(RULES)
+
+
+# --------------------------------------------------------------------------
+# the rewriter
+# --------------------------------------------------------------------------
+
+
+class _Rewriter:
+    """Rewrites one split TaskGraph's ops; the rules call back into it."""
+
+    def __init__(self, graph: tf.Graph, taskgraph: str, plan: SplitPlan, host: str,
+                 record: SplitRecord, variables: dict):
+        self.graph = graph
+        self.variables = variables  # variable op -> tf.Variable, created in the TaskGraph
+        self.taskgraph = taskgraph
+        self.plan = plan
+        self.k = len(plan.devices)
+        self.host = host
+        self.record = record
+        self.layouts: dict = {}
+        self.sharded: dict = {}     # variable op -> ShardedVariable
+        self._full_cache: dict = {}
+        self._name = ""
+
+    # -- construction helpers ------------------------------------------------
+    def attrs(self, slot: int | None) -> dict:
+        values = {TASKGRAPH_ATTR: tf.compat.v1.AttrValue(s=self.taskgraph.encode())}
+        if slot is not None:
+            values[SHARD_ATTR] = tf.compat.v1.AttrValue(i=slot)
+        return values
+
+    @contextlib.contextmanager
+    def on(self, slot: int):
+        """Build on slot `slot`'s device, tagged with the TaskGraph and the slot."""
+        with self.graph._attr_scope(self.attrs(slot)), tf.device(self.plan.devices[slot]), \
+                tf.name_scope(f"{self._name}/EPL_SPLIT_{slot}/"):
+            yield
+
+    @contextlib.contextmanager
+    def gathering(self, name: str):
+        """Build a gather/reduce of the slots (on slot 0's device)."""
+        with self.graph._attr_scope(self.attrs(None)), tf.device(self.plan.devices[0]), \
+                tf.name_scope(f"{name}/EPL_SPLIT_GATHER/"):
+            yield
+
+    # -- layouts ---------------------------------------------------------------
+    def value(self, layout, tensor: tf.Tensor) -> tf.Tensor:
+        """The full value of an input (gathering a sharded or partial one)."""
+        if layout is None:
+            return tensor
+        key = id(layout)
+        if key in self._full_cache:
+            return self._full_cache[key]
+        if isinstance(layout, Full):
+            result = layout.tensor
+        elif isinstance(layout, Pending):
+            sharded = self.sharded.get(layout.variable.op)
+            if sharded is None:
+                return layout.read
+            parts = [shard.value() for shard in sharded.shards]
+            result = self._concat(parts, sharded.axis, tensor)
+        elif isinstance(layout, Sharded):
+            result = self._concat(layout.parts, layout.axis, tensor)
+        else:
+            with self.gathering(tensor.op.name):
+                result = tf.add_n(layout.parts)
+        self._full_cache[key] = result
+        return result
+
+    def _concat(self, parts, axis, tensor) -> tf.Tensor:
+        with self.gathering(tensor.op.name):
+            result = tf.concat(parts, axis=axis)
+        self.record.gathers[result] = (list(parts), axis)
+        return result
+
+    def shard_variable(self, pending: Pending, axis: int, sizes=None, what: str = "",
+                       must_divide: bool = False) -> Sharded:
+        """Shard a pending variable along `axis` (sizes from the plan unless given)."""
+        var = pending.variable
+        existing = self.sharded.get(var.op)
+        if existing is not None:
+            if existing.axis != axis or (sizes is not None and tuple(sizes) != existing.sizes):
+                raise ParallelizeError(
+                    f"variable {var.op.name} (shape {var.shape}) inside epl.split is used split "
+                    f"along axis {existing.axis} and along axis {axis}; a split variable has "
+                    "one layout. Use two variables, or move one use out of the split scope.")
+            return Sharded([s.value() for s in existing.shards], axis, existing.sizes)
+        dim = var.shape[axis]
+        if sizes is None:
+            sizes = self.plan.sizes(int(dim), what or f"dimension {axis} of variable "
+                                    f"{var.op.name} (shape {var.shape.as_list()})", must_divide)
+        elif sum(sizes) != dim:
+            raise ParallelizeError(
+                f"variable {var.op.name} (shape {var.shape.as_list()}) must be split along axis "
+                f"{axis} into {list(sizes)} to match its input, but that axis has {dim} entries.")
+        sharded = shard_existing(var, axis, list(sizes), list(self.plan.devices), self.host,
+                                 lambda j: self.attrs(j))
+        self.sharded[var.op] = sharded
+        self.record.variables[sharded.name] = sharded
+        if pending.read.dtype != tf.resource:
+            self.record.replaced.add(pending.read.op)
+        parts = []
+        for j, shard in enumerate(sharded.shards):
+            with self.on(j):
+                parts.append(shard.value())
+        layout = Sharded(parts, axis, tuple(sizes))
+        if pending.read.dtype != tf.resource:   # a value read: its readers get the shards
+            self.layouts[pending.read] = layout
+        return layout
+
+    def slice(self, tensor: tf.Tensor, axis: int, sizes) -> Sharded:
+        """Slot j's slice of a full tensor along `axis` (a dispatch slice)."""
+        rank = tensor.shape.rank
+        parts, offset = [], 0
+        for j, size in enumerate(sizes):
+            begin = [0] * rank
+            extent = [-1] * rank
+            begin[axis], extent[axis] = offset, size
+            with self.on(j):
+                part = tf.slice(tensor, begin, extent)
+            self.record.slicers[part] = Slicer(tensor, axis, offset, size, j)
+            parts.append(part)
+            offset += size
+        return Sharded(parts, axis, tuple(sizes))
+
+    # -- the walk ------------------------------------------------------------
+    def run(self, ops: list[tf.Operation]) -> None:
+        variables = self.variables
+        for op in ops:
+            if op.type in VARIABLE_OP_TYPES:
+                continue
+            pending_var = _variable_read(op, variables)
+            if pending_var is not None:
+                self.layouts[op.outputs[0]] = Pending(pending_var, op.outputs[0])
+                continue
+            layouts = [self.layouts.get(t) for t in op.inputs]
+            handle_var = _handle_input(op, variables)
+            if all(layout is None for layout in layouts) and handle_var is None:
+                self.record.ops.append(op)
+                continue
+            self._name = op.name
+            fn = RULES.get(op.type)
+            first = len(self.graph.get_operations())
+            outputs = fn(self, op, layouts) if fn is not None else None
+            if outputs is KEEP:
+                self.record.ops.append(op)
+                continue
+            if outputs is None:
+                self._fallback(op, layouts)
+                continue
+            for tensor, layout in zip(op.outputs, outputs):
+                if layout is not None:
+                    self.layouts[tensor] = layout
+            self.record.replaced.add(op)
+            self.record.ops.extend(self.graph.get_operations()[first:])
+
+    def _fallback(self, op: tf.Operation, layouts: list) -> None:
+        """Run `op` unsplit on gathered inputs; warn when a sharded input was gathered."""
+        gathered = [t for t, layout in zip(op.inputs, layouts)
+                    if isinstance(layout, Sharded)
+                    or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+        first = len(self.graph.get_operations())
+        for index, (tensor, layout) in enumerate(zip(list(op.inputs), layouts)):
+            if layout is not None and not (isinstance(layout, Pending)
+                                           and layout.variable.op not in self.sharded):
+                op._update_input(index, self.value(layout, tensor))
+        self.record.ops.extend(self.graph.get_operations()[first:])
+        self.record.ops.append(op)
+        if gathered:
+            what = f"{op.name} (type {op.type})"
+            self.record.fallbacks.append(what)
+            warnings.warn(
+                f"epl.split: op {what} has no split rule for its sharded input(s) "
+                f"{', '.join(t.name for t in gathered)}; EPL gathers the full tensor and runs "
+                f"the op unsplit on one device. Op types with split rules: "
+                f"{', '.join(splittable_op_types())}.", SplitFallbackWarning, stacklevel=2)
+
+    def finish(self, region: set) -> None:
+        """Gather or sum values read outside the rewritten ops; place the region's ops."""
+        for tensor, layout in list(self.layouts.items()):
+            if isinstance(layout, Pending) and layout.variable.op not in self.sharded:
+                continue
+            for consumer in list(tensor.consumers()):
+                if consumer in self.record.replaced:
+                    continue
+                self._name = consumer.name
+                first = len(self.graph.get_operations())
+                replace_input(consumer, tensor, self.value(layout, tensor))
+                self.record.ops.extend(self.graph.get_operations()[first:])
+        for op in self.record.replaced:
+            op._set_attr(REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
+        for op in list(region) + self.record.ops:
+            if not op.device and op not in self.record.replaced:
+                op._set_device(self.plan.devices[0])
+
+
+def _variable_read(op: tf.Operation, variables: dict):
+    """The region variable (tf.Variable) `op` reads the value of, if `op` is such a read."""
+    if op.type == "ReadVariableOp" or (op.type == "Identity" and op.inputs
+                                       and op.inputs[0].dtype._is_ref_dtype):
+        return variables.get(op.inputs[0].op)
+    return None
+
+
+def _handle_input(op: tf.Operation, variables: dict):
+    """The region variable whose handle `op` takes (ResourceGather), if any."""
+    if op.type == "ResourceGather":
+        return variables.get(op.inputs[0].op)
+    return None
+
+
+def _static_dim(tensor: tf.Tensor, axis: int) -> int | None:
+    shape = tensor.shape
+    if shape.rank is None:
+        return None
+    return shape[axis]
+
+
+# --------------------------------------------------------------------------
+# rules
+# --------------------------------------------------------------------------
+
+
+def _as_sharded(rw: _Rewriter, layout, tensor, axis, sizes=None, what="", must_divide=False):
+    """`layout` as Sharded along `axis` (sharding a pending variable); None if it is not."""
+    if isinstance(layout, Sharded):
+        if layout.axis == axis and (sizes is None or tuple(sizes) == layout.sizes):
+            return layout
+        return None
+    if isinstance(layout, Pending):
+        return rw.shard_variable(layout, axis, sizes, what, must_divide)
+    return None
+
+
+def _is_full(layout) -> bool:
+    return layout is None or isinstance(layout, Full) or (isinstance(layout, Pending))
+
+
+@rule("MatMul")
+def _matmul(rw: _Rewriter, op, layouts):
+    a, b = op.inputs
+    la, lb = layouts
+    ta, tb = op.get_attr("transpose_a"), op.get_attr("transpose_b")
+    a_contract, a_rows = (0, 1) if ta else (1, 0)
+    b_contract, b_out = (1, 0) if tb else (0, 1)
+
+    def build(pa, pb, layout_of):
+        parts = []
+        for j in range(rw.k):
+            with rw.on(j):
+                parts.append(tf.linalg.matmul(pa(j), pb(j), transpose_a=ta, transpose_b=tb))
+        return [layout_of(parts)]
+
+    if isinstance(la, Sharded) and la.axis == a_contract:       # row-split weight: partial sums
+        sb = _as_sharded(rw, lb, b, b_contract, la.sizes)
+        if sb is not None:
+            return build(lambda j: la.parts[j], lambda j: sb.parts[j], Partial)
+        return None
+    if isinstance(la, Pending) and not isinstance(lb, (Sharded, Pending)):
+        return KEEP if lb is None else None
+    if _is_full(la) and not isinstance(la, Pending):            # column-split weight
+        if isinstance(lb, Partial):
+            return None
+        sb = _as_sharded(rw, lb, b, b_out)
+        if sb is None:
+            return KEEP if _is_full(lb) else None
+        a_value = rw.value(la, a)
+        return build(lambda j: a_value, lambda j: sb.parts[j],
+                     lambda parts: Sharded(parts, 1, sb.sizes))
+    if isinstance(la, Sharded) and la.axis == a_rows and _is_full(lb):   # row-sharded input
+        b_value = rw.value(lb, b)
+        return build(lambda j: la.parts[j], lambda j: b_value,
+                     lambda parts: Sharded(parts, 0, la.sizes))
+    if isinstance(la, Partial) and _is_full(lb):
+        b_value = rw.value(lb, b)
+        return build(lambda j: la.parts[j], lambda j: b_value, Partial)
+    return None
+
+
+@rule("BatchMatMulV2", "BatchMatMulV3")
+def _expert_matmul(rw: _Rewriter, op, layouts):
+    """Experts: an [E, m, n] weight split along E; the input's matching axis follows it."""
+    a, b = op.inputs
+    la, lb = layouts
+    if b.shape.rank != 3 or a.shape.rank is None or a.shape.rank < 3:
+        return None
+    a_axis = a.shape.rank - 3
+    experts = _static_dim(b, 0)
+    if experts is None or _static_dim(a, a_axis) not in (experts, None):
+        return None
+    weight = lb.variable.op.name if isinstance(lb, Pending) else b.op.name
+    what = (f"expert count {experts} (axis 0 of {weight}, shape {b.shape.as_list()}, read by "
+            f"{op.name})")
+    if isinstance(la, Sharded):
+        if la.axis != a_axis:
+            return None
+        sb = _as_sharded(rw, lb, b, 0, la.sizes)
+        sa = la
+    else:
+        if isinstance(la, Partial):
+            return None
+        if isinstance(lb, Pending) and experts % rw.k:
+            raise ParallelizeError(
+                f"the {what} is not divisible by the split degree {rw.k}: every device must "
+                f"hold whole experts. Use a number of experts divisible by {rw.k}, or "
+                f"epl.split(device_count=d) with d dividing {experts}.")
+        sb = _as_sharded(rw, lb, b, 0, None, what, must_divide=True)
+        if sb is None:
+            return KEEP if _is_full(lb) else None
+        sa = rw.slice(rw.value(la, a), a_axis, sb.sizes)
+    if sb is None:
+        return None
+    adj_x, adj_y = op.get_attr("adj_x"), op.get_attr("adj_y")
+    parts = []
+    for j in range(rw.k):
+        with rw.on(j):
+            parts.append(tf.linalg.matmul(sa.parts[j], sb.parts[j], adjoint_a=adj_x,
+                                          adjoint_b=adj_y))
+    return [Sharded(parts, op.outputs[0].shape.rank - 3, sb.sizes)]
+
+
+UNARY = ("Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Log", "Neg", "Square",
+         "Sqrt", "Rsqrt", "Abs", "Softplus", "Erf", "Identity", "Cast", "LeakyRelu", "StopGradient",
+         "Reciprocal", "Sin", "Cos")
+BINARY = ("Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum", "SquaredDifference",
+          "Pow", "DivNoNan")
+LINEAR_BINARY = ("Add", "AddV2", "Sub")
+
+
+def _clone_on_slots(rw: _Rewriter, op, inputs_of) -> list:
+    """Copies of `op` on each slot, with slot j's inputs `inputs_of(j)`."""
+    from epl.ir.clone import clone_op
+    parts = []
+    for j in range(rw.k):
+        copy = clone_op(op, inputs_of(j), f"{op.name}/EPL_SPLIT_{j}", rw.plan.devices[j],
+                        rw.attrs(j))
+        parts.append(copy.outputs[0])
+    return parts
+
+
+@rule(*UNARY)
+def _unary(rw: _Rewriter, op, layouts):
+    (layout,) = layouts[:1]
+    if isinstance(layout, Sharded) and len(op.inputs) == 1:
+        parts = _clone_on_slots(rw, op, lambda j: [layout.parts[j]])
+        return [Sharded(parts, layout.axis, layout.sizes)]
+    if isinstance(layout, Partial) and op.type in ("Identity", "Neg") and len(op.inputs) == 1:
+        return [Partial(_clone_on_slots(rw, op, lambda j: [layout.parts[j]]))]
+    if isinstance(layout, Pending) or layout is None:
+        return KEEP
+    return None
+
+
+def _operand_for(rw, layout, tensor, out_axis, out_rank, sizes):
+    """Slot parts of one operand of a broadcasting op whose output is sharded on out_axis."""
+    if isinstance(layout, Sharded):
+        axis = out_axis - (out_rank - tensor.shape.rank)
+        return layout.parts if layout.axis == axis and layout.sizes == sizes else None
+    if isinstance(layout, Partial) or tensor.shape.rank is None:
+        return None
+    axis = out_axis - (out_rank - tensor.shape.rank)
+    if axis < 0 or tensor.shape[axis] == 1:                 # broadcast along the split axis
+        value = rw.value(layout, tensor)
+        return [value] * rw.k
+    if tensor.shape[axis] != sum(sizes):
+        return None
+    if isinstance(layout, Pending):
+        return _as_sharded(rw, layout, tensor, axis, sizes).parts
+    return rw.slice(rw.value(layout, tensor), axis, sizes).parts
+
+
+@rule(*BINARY)
+def _binary(rw: _Rewriter, op, layouts):
+    x, y = op.inputs
+    lx, ly = layouts
+    if isinstance(lx, Partial) and isinstance(ly, Partial) and op.type in LINEAR_BINARY:
+        return [Partial(_clone_on_slots(rw, op, lambda j: [lx.parts[j], ly.parts[j]]))]
+    sharded = next((l for l, t in ((lx, x), (ly, y)) if isinstance(l, Sharded)), None)
+    if sharded is None:
+        return KEEP if all(_is_full(l) for l in layouts) else None
+    out_rank = op.outputs[0].shape.rank
+    source = x if sharded is lx else y
+    if out_rank is None or source.shape.rank is None:
+        return None
+    out_axis = sharded.axis + (out_rank - source.shape.rank)
+    px = _operand_for(rw, lx, x, out_axis, out_rank, sharded.sizes)
+    py = _operand_for(rw, ly, y, out_axis, out_rank, sharded.sizes)
+    if px is None or py is None:
+        return None
+    return [Sharded(_clone_on_slots(rw, op, lambda j: [px[j], py[j]]), out_axis, sharded.sizes)]
+
+
+@rule("BiasAdd")
+def _bias_add(rw: _Rewriter, op, layouts):
+    x, bias = op.inputs
+    lx, lb = layouts
+    if op.get_attr("data_format") not in (b"NHWC", "NHWC") or not isinstance(lx, Sharded):
+        return KEEP if all(_is_full(l) for l in layouts) else None
+    last = x.shape.rank - 1 if x.shape.rank is not None else None
+    if lx.axis == last:
+        sb = _as_sharded(rw, lb, bias, 0, lx.sizes) if isinstance(lb, (Pending, Sharded)) else \
+            rw.slice(rw.value(lb, bias), 0, lx.sizes)
+        if sb is None:
+            return None
+        parts = [sb.parts[j] for j in range(rw.k)]
+    else:
+        value = rw.value(lb, bias)
+        parts = [value] * rw.k
+    return [Sharded(_clone_on_slots(rw, op, lambda j: [lx.parts[j], parts[j]]), lx.axis, lx.sizes)]
+
+
+@rule("GatherV2", "ResourceGather")
+def _embedding(rw: _Rewriter, op, layouts):
+    """Vocabulary-split table: each id is looked up on the shard that owns it."""
+    if op.type == "ResourceGather":
+        variable = _handle_input(op, rw.variables)
+        if variable is None or op.get_attr("batch_dims") != 0:
+            return None
+        table = Pending(variable, _read_of(rw, variable))
+        ids = op.inputs[1]
+        ids_layout = layouts[1]
+    else:
+        params, ids, axis = op.inputs
+        if not isinstance(layouts[0], (Pending, Sharded)) or op.get_attr("batch_dims") != 0:
+            return None
+        axis_value = tf.get_static_value(axis)
+        if axis_value is None or int(axis_value) != 0:
+            return None
+        table = layouts[0]
+        ids_layout = layouts[1]
+    if not _is_full(ids_layout):
+        return None
+    if isinstance(table, Pending):
+        what = (f"vocabulary ({table.variable.shape[0]} rows) of embedding table "
+                f"{table.variable.op.name}")
+        sharded = _as_sharded(rw, table, None, 0, None, what)
+    else:
+        sharded = table
+    if sharded is None:
+        return None
+    shards = rw.sharded[table.variable.op].shards if isinstance(table, Pending) else None
+    ids_value = rw.value(ids_layout, ids)
+    offsets = [sum(sharded.sizes[:j]) for j in range(rw.k)]
+    with rw.gathering(op.name):
+        flat = tf.reshape(ids_value, [-1])
+        owner = tf.add_n([tf.cast(flat >= offset, tf.int32) for offset in offsets[1:]]) \
+            if rw.k > 1 else tf.zeros_like(flat, tf.int32)
+        positions = tf.range(tf.size(flat))
+        ids_of = tf.dynamic_partition(flat, owner, rw.k)
+        positions_of = tf.dynamic_partition(positions, owner, rw.k)
+    rows = []
+    for j in range(rw.k):
+        with rw.on(j):
+            local = ids_of[j] - tf.cast(offsets[j], ids_of[j].dtype)
+            source = shards[j] if shards is not None else sharded.parts[j]
+            rows.append(tf.gather(source, local))
+    with rw.gathering(op.name):
+        stitched = tf.dynamic_stitch(positions_of, rows)
+        out_shape = tf.concat([tf.shape(ids_value), tf.shape(stitched)[1:]], axis=0)
+        result = tf.reshape(stitched, out_shape)
+        result.set_shape(op.outputs[0].shape)
+    return [Full(result)]
+
+
+def _read_of(rw: _Rewriter, variable):
+    for consumer in variable.op.outputs[0].consumers():
+        if consumer.outputs and consumer.outputs[0] in rw.layouts:
+            return consumer.outputs[0]
+    return variable.op.outputs[0]
+
+
+def _softmax_parts(rw: _Rewriter, op, logits: Sharded):
+    """Per-slot exp-sums, the global max, with the logits never gathered."""
+    maxes = []
+    for j in range(rw.k):
+        with rw.on(j):
+            maxes.append(tf.reduce_max(logits.parts[j], axis=-1))
+    with rw.gathering(op.name):
+        top = tf.stop_gradient(tf.reduce_max(tf.stack(maxes), axis=0))   # all-reduce (max)
+    sums = []
+    for j in range(rw.k):
+        with rw.on(j):
+            sums.append(tf.reduce_sum(tf.exp(logits.parts[j] - top[..., None]), axis=-1))
+    with rw.gathering(op.name):
+        log_sum = tf.math.log(tf.add_n(sums)) + top                     # all-reduce (sum)
+    return log_sum
+
+
+@rule("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_softmax_ce(rw: _Rewriter, op, layouts):
+    """loss = log(sum_j sum exp(logits_j - max)) + max - logit[label], per example."""
+    logits, labels = op.inputs
+    ll, lab = layouts
+    if not isinstance(ll, Sharded) or ll.axis != logits.shape.rank - 1 or not _is_full(lab) \
+            or op.outputs[1].consumers():
+        return None
+    labels_value = rw.value(lab, labels)
+    log_sum = _softmax_parts(rw, op, ll)
+    picked, offset = [], 0
+    for j in range(rw.k):
+        with rw.on(j):
+            local = tf.cast(labels_value, tf.int64) - offset
+            onehot = tf.one_hot(local, ll.sizes[j], dtype=ll.parts[j].dtype)  # 0 where not owned
+            picked.append(tf.reduce_sum(onehot * ll.parts[j], axis=-1))
+        offset += ll.sizes[j]
+    with rw.gathering(op.name):
+        loss = log_sum - tf.add_n(picked)
+    return [Full(loss), None]
+
+
+@rule("SoftmaxCrossEntropyWithLogits")
+def _softmax_ce(rw: _Rewriter, op, layouts):
+    """Dense labels: loss = sum_v y_v * (log_sum - logit_v), summed over the shards."""
+    logits, labels = op.inputs
+    ll, lab = layouts
+    if not isinstance(ll, Sharded) or ll.axis != logits.shape.rank - 1 or op.outputs[1].consumers():
+        return None
+    sl = lab if isinstance(lab, Sharded) and lab.axis == ll.axis and lab.sizes == ll.sizes \
+        else (rw.slice(rw.value(lab, labels), ll.axis, ll.sizes) if _is_full(lab) else None)
+    if sl is None:
+        return None
+    log_sum = _softmax_parts(rw, op, ll)
+    label_mass, label_logit = [], []
+    for j in range(rw.k):
+        with rw.on(j):
+            label_mass.append(tf.reduce_sum(sl.parts[j], axis=-1))
+            label_logit.append(tf.reduce_sum(sl.parts[j] * ll.parts[j], axis=-1))
+    with rw.gathering(op.name):
+        loss = log_sum * tf.add_n(label_mass) - tf.add_n(label_logit)
+    return [Full(loss), None]
+
+
+# --------------------------------------------------------------------------
+# the pass
+# --------------------------------------------------------------------------
+
+
+class SplitPass(GraphPass):
+    """Rewrites each split TaskGraph's forward ops into per-device ops (gradient time).
+
+    ctx.artifacts["split_plans"]: TaskGraph name -> SplitPlan (set by the caller).
+    ctx.artifacts["split_loss"]: the loss compute_gradients was given.
+    Records a SplitRecord per TaskGraph in ctx.artifacts["split"] (a list).
+    """
+
+    name = "split"
+    requires = ()
+
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        from epl.ir.taskgraph import graph_state
+        state = graph_state(graph)
+        loss = ctx.artifacts["split_loss"]
+        plans = ctx.artifacts["split_plans"]
+        before = set(graph.get_operations())
+        path = ancestors([loss.op])
+        done = {record.taskgraph for record in state.splits}
+        records, notes = [], []
+        for taskgraph in state.taskgraphs:
+            if taskgraph.spec.kind != StrategyKind.SPLIT or taskgraph.name in done:
+                continue
+            tagged = [op for op in graph.get_operations()
+                      if op.node_def.attr.get(TASKGRAPH_ATTR) is not None
+                      and op.node_def.attr[TASKGRAPH_ATTR].s.decode() == taskgraph.name]
+            region = [op for op in tagged if op in path]
+            if not region:
+                continue
+            variables = _region_variables(graph, tagged)
+            record = SplitRecord(taskgraph.name, plans[taskgraph.name])
+            rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
+                                 variables)
+            with graph.name_scope(None), graph.control_dependencies(None):
+                rewriter.run(region)
+                rewriter.finish(set(region))
+            for variable_op, sharded in rewriter.sharded.items():
+                variable_op._set_attr(REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
+            records.append(record)
+            notes.append(f"{taskgraph.name}: {len(record.variables)} variable(s) sharded over "
+                         f"{len(record.plan.devices)} devices "
+                         f"({', '.join(f'{n} axis {v.axis} sizes {list(v.sizes)}' for n, v in record.variables.items())})"
+                         + (f"; unsplit fallbacks: {', '.join(record.fallbacks)}"
+                            if record.fallbacks else ""))
+        state.splits.extend(records)
+        ctx.artifacts[self.name] = records
+        added = [op.name for op in graph.get_operations() if op not in before]
+        replaced = [op.name for record in records for op in record.replaced]
+        return PassResult(added=added, removed=replaced, notes=notes)
+
+
+def _region_variables(graph: tf.Graph, tagged: list) -> dict:
+    """Variable op -> tf.Variable for the variables created inside the TaskGraph."""
+    ops = {op for op in tagged if op.type in VARIABLE_OP_TYPES}
+    found = {}
+    for key in (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES):
+        for variable in graph.get_collection(key):
+            if getattr(variable, "op", None) in ops:
+                found[variable.op] = variable
+    return found
