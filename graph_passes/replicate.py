@@ -266,8 +266,6 @@ class ReplicatePass(GraphPass):
             problems.append("pipeline.num_micro_batch > 1 (micro-batches)")
         if ctx.config.get("gradient_checkpoint.type"):
             problems.append("gradient_checkpoint.type")
-        if ctx.communicator.num_workers > 1:
-            problems.append("several workers (a split group spans one worker's devices)")
         if ctx.config.get("communication.gradients_reduce_method") == "sum":
             problems.append('communication.gradients_reduce_method "sum"')
         if len(view.steps) != 1:
@@ -293,6 +291,7 @@ class ReplicatePass(GraphPass):
         devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
         self._place(graph, view, plan)
         slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device, 1)
+        weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
         mirrors = self._mirror_variables(view, plan)
         first_stage = view.taskgraphs[0]
         boundary = SplitBoundary(view, plan, weights, graph_state(graph).splits,
@@ -307,7 +306,7 @@ class ReplicatePass(GraphPass):
                                             for k in range(plan.num_replicas)})
         step = view.steps[0]
         gradients, backward = self._global_gradients(view, plan, step, forward_copies, weights,
-                                                     mirrors)
+                                                     mirrors, ctx.communicator.num_workers > 1)
         replica_maps = [dict(forward_copies[(k, 0)]) for k in range(plan.num_replicas)]
         for k in range(1, plan.num_replicas):
             replica_maps[k].update(self._copy_apply(view, plan, k, apply_ops, slices, mirrors,
@@ -322,7 +321,12 @@ class ReplicatePass(GraphPass):
         self._chain_train_ops(view, replica_maps)
         units = [forward_copies[(k, 0)] for k in range(plan.num_replicas)]
         merged = self._merge_fetches(graph, view, units, weights, devices, ctx.communicator)
-        sync_ops = self._sync_ops(mirrors, ctx.communicator)
+        cross = ctx.communicator.cross
+        if cross is not None:  # the split TaskGraphs are data-parallel across workers
+            self._reduce_split_gradients_over_workers(view, gradients[0], cross)
+            merged.update(_merge_split_losses(view, units, weights, cross))
+        sync_ops = self._sync_ops({**mirrors, **{v: [v] for v in view.split_variables}},
+                                  ctx.communicator)
         per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)], grad)
                         for i, (grad, var) in enumerate(view.gradients) if var not in split_vars]
         loss_copies = {(k, 0): [forward_copies[(k, 0)][t.op].outputs[t.value_index]
@@ -341,7 +345,31 @@ class ReplicatePass(GraphPass):
         return PassResult(added=added, op_map=op_map, notes=notes)
 
     @staticmethod
-    def _global_gradients(view, plan, step, forward_copies, weights, mirrors):
+    def _reduce_split_gradients_over_workers(view, gradients, cross) -> None:
+        """Every worker holds all shards of a split TaskGraph (the split group is
+        the worker's devices): sum each shard's gradient over the workers (its
+        gradient is already weighted by the worker's batch share) and make its
+        update read the sum; sparse gradients are gathered."""
+        split_vars = set(view.split_variables)
+        with tf.name_scope("EPL_SPLIT_WORKERS"):
+            for (_, var), grad in zip(view.gradients, gradients):
+                if var not in split_vars or grad is None:
+                    continue
+                readers = view.split_apply_ops
+                if isinstance(grad, tf.IndexedSlices):
+                    with tf.device(grad.values.device):
+                        pairs = ((grad.values, cross.all_gather(grad.values)),
+                                 (grad.indices, cross.all_gather(grad.indices)))
+                else:
+                    with tf.device(grad.device):
+                        pairs = ((grad, cross.all_reduce(grad, "sum")),)
+                for old, new in pairs:
+                    for op in readers:
+                        replace_input(op, old, new)
+
+    @staticmethod
+    def _global_gradients(view, plan, step, forward_copies, weights, mirrors,
+                          multi_worker: bool = False):
         """One autodiff of the weighted objective over every replica and split op.
 
         Returns ([per replica: gradients aligned with view.gradients], backward ops).
@@ -353,6 +381,8 @@ class ReplicatePass(GraphPass):
                       for k in range(plan.num_replicas)]
             with tf.name_scope("EPL_OBJECTIVE"):
                 objective = tf.add_n([tf.cast(w, c.dtype) * c for w, c in zip(weights, copies)])
+        elif multi_worker:  # computed by split ops over this worker's whole batch
+            objective = tf.add_n([tf.cast(w, loss.dtype) for w in weights]) * loss
         else:  # computed by split ops over the global batch
             objective = loss
         pairs = [(g, v) for g, v in step.grads_and_vars if g is not None]
@@ -871,6 +901,20 @@ def _tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | No
         if source is not None and TASKGRAPH_ATTR in source.node_def.attr:
             op._set_attr(TASKGRAPH_ATTR, source.node_def.attr[TASKGRAPH_ATTR])
         op._set_device(source.device if source is not None and source.device else fallback_device)
+
+
+def _merge_split_losses(view, units, weights, cross) -> dict:
+    """A loss computed by split ops covers this worker's batch: the fetched value
+    is the mean over every worker's batch (each weighted by its share)."""
+    merged = {}
+    with tf.name_scope("EPL_MERGED"):
+        for loss in view.losses:
+            if loss.op in units[0]:
+                continue
+            with tf.device(loss.device):
+                share = tf.add_n([tf.cast(w, loss.dtype) for w in weights])
+                merged[loss] = cross.all_reduce(share * loss, "sum")
+    return merged
 
 
 def _tag_global_backward(ops, fallback_device: str) -> None:

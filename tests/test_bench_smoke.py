@@ -9,6 +9,7 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 sys.path.insert(0, BENCH_DIR)
 
 import dp_overhead  # noqa: E402
+import large_softmax  # noqa: E402
 import rewrite_cost  # noqa: E402
 from epl import env  # noqa: E402
 
@@ -42,3 +43,16 @@ def test_dp_overhead_quick_prints_ratio_line(capsys):
     assert ratios["mlp"] > 0
     assert re.search(r"mlp\s+epl\s+8\s+2\s", out), out          # 2 replicas on the EPL side
     assert re.search(r"mlp\s+mirrored\s+8\s+2\s", out), out
+
+
+def test_large_softmax_quick_prints_ratio_lines(capsys, keep_epl_config):
+    result = large_softmax.main(["--classes", "4000", "--batch", "16", "--steps", "1",
+                                 "--warmup", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"^large_softmax: per-device parameter\+gradient bytes split/replicate = "
+                     r"\d+\.\d\d \(target <= 0\.3\)$", out, re.M), out
+    assert re.search(r"^large_softmax: step time split/replicate = \d+\.\d\d", out, re.M), out
+    # every device holds a quarter of the classifier's weights and gradients
+    split_grads = result["grad_bytes"]["split"]
+    assert len(split_grads) == 4 and len(set(split_grads.values())) == 1
+    assert result["memory_ratio"] <= 0.3

@@ -67,3 +67,14 @@ def test_stalled_worker_makes_the_others_fail_within_the_timeout():
     assert result.returncode != 0
     assert "EPL-ERROR rank 0: worker 0 of 2: a training step did not finish within 8 s" in out, _errors(out)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("optimizer,sizes", [("sgd", "8,8"), ("adam", "12,4")])
+def test_split_taskgraph_with_two_workers_matches_single_device(tmp_path, optimizer, sizes):
+    """epl.split(2) over each worker's devices, data-parallel across the 2 workers."""
+    result = _horovodrun("split_worker.py", optimizer, sizes, str(tmp_path))
+    assert result.returncode == 0, _errors(result.stdout + result.stderr)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        np.testing.assert_allclose(record["losses"], record["ref_losses"], rtol=1e-5)
+        assert max(record["errors"].values()) < 1e-5, record["errors"]

@@ -1,0 +1,98 @@
+"""Worker script for split TaskGraphs across workers (run under horovodrun).
+
+Every worker runs a data-parallel body over its 2 virtual devices and a
+classifier under epl.split(2) over the same devices; across workers the whole
+model is data-parallel (the split TaskGraph's shard gradients are summed over
+the workers through Horovod). Each worker feeds its own part of one global
+batch; the variables after the steps must equal single-device training on the
+whole global batch, computed in this same process with EPL not initialized.
+
+usage: split_worker.py OPTIMIZER BATCH_SIZES OUT_DIR
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import epl
+import epl.layers as layers
+from epl import env
+
+STEPS = 3
+CLASSES = 12
+
+
+def build(batch, use_epl, optimizer_name):
+    x = tf.compat.v1.placeholder(tf.float32, [batch, 6])
+    y = tf.compat.v1.placeholder(tf.int64, [batch])
+    rng = np.random.RandomState(1)
+    body = epl.replicate(1, name="body") if use_epl else None
+    if body:
+        body.__enter__()
+    h = layers.dense(x, 8, activation=tf.nn.tanh, name="body",
+                     kernel_initializer=tf.constant_initializer(rng.randn(6, 8) * 0.5))
+    if body:
+        body.__exit__(None, None, None)
+    head = epl.split(2, name="classifier") if use_epl else None
+    if head:
+        head.__enter__()
+    logits = layers.dense(h, CLASSES, name="classifier",
+                          kernel_initializer=tf.constant_initializer(rng.randn(8, CLASSES) * 0.5))
+    loss = layers.sparse_softmax_cross_entropy(y, logits)
+    if head:
+        head.__exit__(None, None, None)
+    opt = (tf.compat.v1.train.AdamOptimizer(0.05) if optimizer_name == "adam"
+           else tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    return x, y, loss, opt.minimize(loss)
+
+
+def full_values(sess, graph):
+    out = {}
+    variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+    for variable, value in zip(variables, sess.run(variables)):
+        info = getattr(variable, "_save_slice_info", None)
+        if info is None:
+            out[variable.op.name] = value
+            continue
+        full = out.setdefault(info.full_name, np.zeros(info.full_shape, value.dtype))
+        full[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))] = value
+    return out
+
+
+def train(items, features, labels):
+    x, y, loss, train_op = items
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        losses = [float(sess.run([loss, train_op], {x: features, y: labels})[0])
+                  for _ in range(STEPS)]
+        return losses, full_values(sess, sess.graph)
+
+
+def main():
+    optimizer_name, sizes, out_dir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
+    tf.compat.v1.disable_eager_execution()
+    rng = np.random.RandomState(0)
+    total = sum(sizes)
+    features = rng.randn(total, 6).astype(np.float32)
+    labels = rng.randint(0, CLASSES, total).astype(np.int64)
+    with tf.Graph().as_default():
+        ref_losses, ref_vars = train(build(total, False, optimizer_name), features, labels)
+
+    epl.init(epl.Config({"cluster.virtual_devices": 2,
+                         "cluster.colocate_split_and_replicate": True}))
+    rank = epl.Cluster.current().worker_rank
+    start = sum(sizes[:rank])
+    part = slice(start, start + sizes[rank])
+    with tf.Graph().as_default():
+        losses, variables = train(build(sizes[rank], True, optimizer_name),
+                                  features[part], labels[part])
+    errors = {name: float(np.max(np.abs(variables[name] - value))) for name, value in ref_vars.items()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors}, f)
+    env.reset()
+
+
+if __name__ == "__main__":
+    main()
