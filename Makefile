@@ -1,11 +1,11 @@
 # Two commands do all of the setup on a fresh machine:
-#   make run   - create .venv, install everything, train the main example
+#   make run   - create .venv, install everything, train the main example (M6-mini)
 #   make test  - create .venv, install everything, run the whole test suite
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.epl-installed
-EXAMPLE ?= examples/train_mlp.py
+EXAMPLE ?= examples/m6_mini.py
 
 .PHONY: setup run test bench clean
 

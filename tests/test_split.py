@@ -351,3 +351,20 @@ def test_oracle_m6_mini_over_4_devices():
     for record in state.splits:
         assert record.fallbacks == []
         assert all(v.sizes == (2, 2, 2, 2) for v in record.variables.values())
+
+
+@pytest.mark.parametrize("script,args", [
+    ("large_classifier", ["--steps", "20", "--classes", "20000", "--batch", "32", "--log-every", "5"]),
+    ("m6_mini", ["--steps", "20", "--batch", "16", "--log-every", "5"]),
+])
+def test_examples_train(script, args):
+    import re
+    import subprocess
+    import sys
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", f"{script}.py")
+    result = subprocess.run([sys.executable, path, *args], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) >= 3, result.stdout
+    assert losses[-1] < losses[0], result.stdout
