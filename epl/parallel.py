@@ -22,7 +22,7 @@ from epl.ir.graph_view import TrainingView, analyze
 from epl.ir.taskgraph import graph_state
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_plan
-from epl.planner.planner import local_replica_weights
+from epl.planner.planner import local_profiles, local_replica_weights
 from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
 from graph_passes.annotate import AnnotatePass
@@ -110,12 +110,14 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
         return state.result
     config = get_config()
     cluster = local_cluster(config)
-    auto_stages(graph, state, config)  # auto.auto_parallel + pipeline.num_stages, no stage scopes
+    profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
+    auto_stages(graph, state, config, profiles)  # auto.auto_parallel + pipeline.num_stages
     view = analyze(graph, state)
     if replica_weights is None:  # the hardware-aware planner: uneven shares for mixed devices
         replica_weights = local_replica_weights(view, cluster, config)  # None = even split
     plan = make_plan(view.taskgraphs + view.split_taskgraphs, cluster, replica_weights,
-                     bool(config.get("cluster.colocate_split_and_replicate")))
+                     bool(config.get("cluster.colocate_split_and_replicate")),
+                     [p.memory_bytes for p in profiles] if profiles else None)
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):
         instruments.append(DumpInstrument(config.get("debug.dump_dir"), state.dumps_written))

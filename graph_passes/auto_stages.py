@@ -27,7 +27,11 @@ How the cut is chosen (`plan_stages`, pure analysis; `apply_stages` writes it):
    transformer these are the layer boundaries, where only the hidden state
    crosses.
 4. Among the allowed cuts, dynamic programming picks the K - 1 that minimise
-   the most expensive stage (ties: fewer crossing tensors).
+   the most expensive stage (ties: fewer crossing tensors). With devices of
+   different speed (`cluster.device_profiles`), stage i's cost is divided by
+   the relative FLOP/s of the device it runs on (`stage_speeds`: the device
+   the plan gives stage i, the slowest over the replicas), so a faster device
+   gets a longer stage: stages are sized to their devices.
 
 Every forward op then carries `_epl_taskgraph = stage_<i>`; backward ops
 inherit their forward op's stage and apply ops their variable's (analysis,
@@ -127,13 +131,14 @@ def _crossings(ordered: list) -> list[list[tf.Tensor]]:
 
 
 def _best_cuts(costs: list[float], allowed: list[int], crossing: list[int],
-               num_stages: int) -> list[int] | None:
-    """K - 1 cut positions from `allowed` minimising (max stage cost, total crossing).
+               num_stages: int, speeds: list[float] | None = None) -> list[int] | None:
+    """K - 1 cut positions from `allowed` minimising (max stage time, total crossing).
 
     A cut at position p ends a stage after op p. best[j][e] is the best
-    (max stage cost, crossing, previous cut index) of j + 1 stages whose last
-    one ends at allowed[e].
+    (max stage time, crossing, previous cut index) of j + 1 stages whose last
+    one ends at allowed[e]; stage j's time is its cost / speeds[j].
     """
+    speeds = speeds or [1.0] * num_stages
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
@@ -142,16 +147,20 @@ def _best_cuts(costs: list[float], allowed: list[int], crossing: list[int],
     def span(start: int, end: int) -> float:  # cost of ops start+1 .. end
         return prefix[end + 1] - prefix[start + 1]
 
-    best: list[dict[int, tuple]] = [{e: (prefix[p + 1], 0, None) for e, p in enumerate(allowed)}]
+    best: list[dict[int, tuple]] = [{e: (prefix[p + 1] / speeds[0], 0, None)
+                                     for e, p in enumerate(allowed)}]
     for j in range(1, num_stages - 1):
         layer = {}
         for e, p in enumerate(allowed):
-            options = [(max(value[0], span(allowed[d], p)), value[1] + crossing[allowed[d]], d)
+            options = [(max(value[0], span(allowed[d], p) / speeds[j]),
+                        value[1] + crossing[allowed[d]], d)
                        for d, value in best[j - 1].items() if d < e]
             if options:
                 layer[e] = min(options)
         best.append(layer)
-    final = [(max(value[0], span(allowed[d], n - 1)), value[1] + crossing[allowed[d]], d)
+    last = num_stages - 1
+    final = [(max(value[0], span(allowed[d], n - 1) / speeds[last]),
+              value[1] + crossing[allowed[d]], d)
              for d, value in best[num_stages - 2].items()]
     if not final:
         return None
@@ -164,8 +173,10 @@ def _best_cuts(costs: list[float], allowed: list[int], crossing: list[int],
 
 
 def plan_stages(graph: tf.Graph, state: GraphState, num_stages: int,
-                profile=None) -> StagePartition:
+                profile=None, speeds: list[float] | None = None) -> StagePartition:
     """Choose `num_stages` balanced stages for the forward graph (changes nothing).
+
+    speeds: relative speed of the device of each stage (default: all equal).
 
     Raises:
         ParallelizeError: the model has fewer than `num_stages` places where at
@@ -181,7 +192,7 @@ def plan_stages(graph: tf.Graph, state: GraphState, num_stages: int,
     for limit in range(1, MAX_CROSSING + 1):
         allowed = [p for p in range(len(ordered) - 1) if 0 < counts[p] <= limit]
         if len(allowed) >= num_stages - 1:
-            cuts = _best_cuts(costs, allowed, counts, num_stages)
+            cuts = _best_cuts(costs, allowed, counts, num_stages, speeds)
             if cuts is not None:
                 break
     if cuts is None:
@@ -226,14 +237,39 @@ def apply_stages(graph: tf.Graph, state: GraphState, partition: StagePartition) 
         op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=names[stage].encode()))
 
 
-def auto_stages(graph: tf.Graph, state: GraphState, config) -> StagePartition | None:
+def stage_speeds(num_stages: int, profiles: list | None) -> list[float] | None:
+    """Relative FLOP/s of the device each stage runs on (the slowest over replicas).
+
+    The plan gives replica r the devices r*K .. r*K+K-1 and, within them,
+    stage i the i-th by memory (epl.planner.plan.stage_device_order). None when
+    the profiles are absent or all stages get the same speed.
+    """
+    from epl.planner.plan import stage_device_order
+    if not profiles or len(profiles) < num_stages:
+        return None
+    replicas = len(profiles) // num_stages
+    speeds = [min(profiles[r * num_stages + stage_device_order(
+        [p.memory_bytes for p in profiles[r * num_stages:(r + 1) * num_stages]])[i]].flops("float32")
+        for r in range(replicas)) for i in range(num_stages)]
+    if all(abs(s - speeds[0]) <= 1e-12 * speeds[0] for s in speeds):
+        return None
+    top = max(speeds)
+    return [s / top for s in speeds]
+
+
+def auto_stages(graph: tf.Graph, state: GraphState, config,
+                profiles: list | None = None) -> StagePartition | None:
     """Cut the model into `pipeline.num_stages` stages when the config asks for it.
 
-    Returns the partition applied, or None when the script keeps its own
-    TaskGraphs (see `wants_auto_stages`).
+    profiles: the local devices' profiles when `cluster.device_profiles` is set
+    (stages are then sized to their devices' speed). Returns the partition
+    applied, or None when the script keeps its own TaskGraphs (see
+    `wants_auto_stages`).
     """
     if not wants_auto_stages(state, config):
         return None
-    partition = plan_stages(graph, state, int(config.get("pipeline.num_stages")))
+    num_stages = int(config.get("pipeline.num_stages"))
+    partition = plan_stages(graph, state, num_stages,
+                            speeds=stage_speeds(num_stages, profiles))
     apply_stages(graph, state, partition)
     return partition

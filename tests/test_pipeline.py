@@ -567,3 +567,55 @@ def test_bert_example_trains_and_prints_progress(capsys):
     assert "2 stages x 2 micro-batches (PreferBackward) on 2 device(s)" in out
     assert re.search(r"^step +4  loss \d+\.\d+  masked-token accuracy \d\.\d+", out, re.M), out
     assert last["step"] == 4 and np.isfinite(last["loss"])
+
+
+# --------------------------------------------------------------------------
+# Stages sized to their devices (cluster.device_profiles)
+# --------------------------------------------------------------------------
+
+FAST_SLOW = {"CPU:0": {"peak_flops": {"float32": 3e11}}, "CPU:1": {"peak_flops": {"float32": 1e11}}}
+
+
+def test_auto_stages_give_the_faster_device_the_longer_stage():
+    from epl import profiles as profiles_lib
+    epl.init(epl.Config({"cluster.virtual_devices": 2, "auto.auto_parallel": True,
+                         "pipeline.num_stages": 2}))
+    with tf.Graph().as_default() as graph:
+        build_encoder(layers=4)
+        even = auto_stages.plan_stages(graph, graph_state(graph), 2)
+        speeds = auto_stages.stage_speeds(2, profiles_lib.virtual_cpu_profiles(2, FAST_SLOW))
+        sized = auto_stages.plan_stages(graph, graph_state(graph), 2, speeds=speeds)
+    assert speeds == pytest.approx([1.0, 1 / 3])
+    assert max(even.costs) / min(even.costs) < 1.15
+    # stage 0 (on the 3x faster device) takes about three times the work of stage 1
+    assert sized.costs[0] / sized.costs[1] > 2.0, sized.describe()
+    time_even = max(even.costs[0] / speeds[0], even.costs[1] / speeds[1])
+    time_sized = max(sized.costs[0] / speeds[0], sized.costs[1] / speeds[1])
+    assert time_sized < 0.75 * time_even
+
+
+def test_earlier_stages_go_to_devices_with_more_memory(epl_env):
+    gib = 2 ** 30
+    profiles = {"CPU:0": {"memory_bytes": 8 * gib}, "CPU:1": {"memory_bytes": 32 * gib},
+                "CPU:2": {"memory_bytes": 8 * gib}, "CPU:3": {"memory_bytes": 32 * gib}}
+    expected = reference(4, "sgd")
+    epl_env({"cluster.virtual_devices": 4, "auto.auto_parallel": True,
+             "pipeline.num_stages": 2, "pipeline.num_micro_batch": 2,
+             "cluster.device_profiles": profiles, "debug.check_invariants": True})
+    result = train_encoder(layers=4, optimizer="sgd")
+    plan = parallel_graph(result.graph).plan
+    assert plan.devices["stage_0"] == ["/device:CPU:1", "/device:CPU:3"]
+    assert plan.devices["stage_1"] == ["/device:CPU:0", "/device:CPU:2"]
+    assert_same(result, expected)
+
+
+def test_stages_sized_to_devices_train_like_single_device(epl_env):
+    expected = reference(4, "adam")
+    epl_env({"cluster.virtual_devices": 2, "auto.auto_parallel": True,
+             "pipeline.num_stages": 2, "pipeline.num_micro_batch": 2,
+             "cluster.device_profiles": FAST_SLOW, "debug.check_invariants": True})
+    result = train_encoder(layers=4, optimizer="adam")
+    by_stage = collections.Counter(_attr(op, TASKGRAPH_ATTR) for op in result.graph.get_operations()
+                                   if op.type == "ResourceApplyAdam")
+    assert by_stage["stage_0"] > by_stage["stage_1"]   # the fast device holds more layers
+    assert_same(result, expected)

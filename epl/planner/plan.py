@@ -60,6 +60,19 @@ class Plan:
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+def stage_device_order(memory: list[float] | None, count: int | None = None) -> list[int]:
+    """Positions of one replica's devices in the order its stages take them.
+
+    Earlier pipeline stages keep more activations (1F1B holds up to K - i
+    micro-batches on stage i), so they go to the devices with more memory:
+    positions sorted by memory, largest first, ties in device order. Without
+    memory figures (or all equal), the device order.
+    """
+    if not memory:
+        return list(range(count or 0))
+    return sorted(range(len(memory)), key=lambda i: (-memory[i], i))
+
+
 def _is_split(taskgraph: TaskGraph) -> bool:
     return taskgraph.spec.kind.value == "split"
 
@@ -87,8 +100,8 @@ def split_layout(taskgraphs: list[TaskGraph], cluster: Cluster,
                     for tg in split}
 
 
-def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True
-            ) -> tuple[int, dict, dict]:
+def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True,
+            device_memory: list[float] | None = None) -> tuple[int, dict, dict]:
     available, split_devices = split_layout(taskgraphs, cluster, colocate)
     replicated = [tg for tg in taskgraphs if not _is_split(tg)]
     if not replicated:
@@ -110,23 +123,34 @@ def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True
             f"device_count values whose sum divides {available}.")
     replicas = available // per_replica
     devices = {}
-    offset = 0
-    for tg in taskgraphs:
-        devices[tg.name] = [cluster.local_devices[r * per_replica + offset] for r in range(replicas)]
-        offset += tg.spec.device_count
+    if device_memory and len(taskgraphs) > 1 and all(tg.spec.device_count == 1 for tg in taskgraphs):
+        for r in range(replicas):   # pipeline stages: earlier stages on devices with more memory
+            base = r * per_replica
+            order = stage_device_order(device_memory[base:base + per_replica])
+            for i, tg in enumerate(taskgraphs):
+                devices.setdefault(tg.name, []).append(cluster.local_devices[base + order[i]])
+    else:
+        offset = 0
+        for tg in taskgraphs:
+            devices[tg.name] = [cluster.local_devices[r * per_replica + offset]
+                                for r in range(replicas)]
+            offset += tg.spec.device_count
     for name, split in split_devices.items():   # template ops of a split TaskGraph
         devices[name] = [split[0]] * replicas
     return replicas, devices, split_devices
 
 
 def make_plan(taskgraphs: list[TaskGraph], cluster: Cluster,
-              replica_weights: list[float] | None = None, colocate_split: bool = True) -> Plan:
+              replica_weights: list[float] | None = None, colocate_split: bool = True,
+              device_memory: list[float] | None = None) -> Plan:
     """Lay the TaskGraphs out on the cluster; raise ClusterError if they do not fit.
 
     replica_weights: optional batch shares per replica (positive; normalized).
     colocate_split: `cluster.colocate_split_and_replicate`.
+    device_memory: bytes per local device (device profiles): pipeline stages
+      then take each replica's devices in order of memory, largest first.
     """
-    replicas, devices, split_devices = _layout(taskgraphs, cluster, colocate_split)
+    replicas, devices, split_devices = _layout(taskgraphs, cluster, colocate_split, device_memory)
     if replica_weights is None:
         weights = tuple(1.0 / replicas for _ in range(replicas))
     else:

@@ -1717,15 +1717,9 @@ def local_replica_weights(view: Any, cluster: Any, config: Any
     of `replica_weights_for_local_devices`.  None as well when every
     replica gets the same share.
     """
-    from epl import profiles as profiles_lib
-    overrides = config.get("cluster.device_profiles") or {}
-    if not overrides:
+    profiles = local_profiles(cluster, config)
+    if profiles is None:
         return None
-    n = cluster.num_local_devices
-    if cluster.device_type == "CPU":
-        profiles = profiles_lib.virtual_cpu_profiles(n, overrides)
-    else:
-        profiles = [_gpu_profile(i, overrides) for i in range(n)]
     if len(set(profiles)) == 1:
         return None
     weights = replica_weights_for_local_devices(
@@ -1734,6 +1728,18 @@ def local_replica_weights(view: Any, cluster: Any, config: Any
     if all(math.isclose(w, first, rel_tol=1e-12) for w in weights):
         return None
     return weights
+
+
+def local_profiles(cluster: Any, config: Any) -> list[DeviceProfile] | None:
+    """Profiles of this worker's devices, or None unless `cluster.device_profiles` is set."""
+    from epl import profiles as profiles_lib
+    overrides = config.get("cluster.device_profiles") or {}
+    if not overrides:
+        return None
+    n = cluster.num_local_devices
+    if cluster.device_type == "CPU":
+        return profiles_lib.virtual_cpu_profiles(n, overrides)
+    return [_gpu_profile(i, overrides) for i in range(n)]
 
 
 def local_shard_weights(cluster: Any, config: Any, devices: Sequence[str]
@@ -1745,15 +1751,9 @@ def local_shard_weights(cluster: Any, config: Any, devices: Sequence[str]
     FLOP/s (a shard's work grows with its size), the Whale paper's
     capability-proportional split.
     """
-    from epl import profiles as profiles_lib
-    overrides = config.get("cluster.device_profiles") or {}
-    if not overrides:
+    profiles = local_profiles(cluster, config)
+    if profiles is None:
         return None
-    n = cluster.num_local_devices
-    if cluster.device_type == "CPU":
-        profiles = profiles_lib.virtual_cpu_profiles(n, overrides)
-    else:
-        profiles = [_gpu_profile(i, overrides) for i in range(n)]
     chosen = [profiles[int(device.rsplit(":", 1)[1])] for device in devices]
     total_flops = sum(p.flops("float32") for p in chosen)
     weights = [p.flops("float32") / total_flops for p in chosen]
