@@ -50,7 +50,8 @@ sum_k share_k x loss_k when the loss is replicated, or of the loss itself when
 a split op computes it over the global batch. Every replica's gradient is then
 already weighted by its share, so the gradient pass sums them
 (`Replication.presummed`); the shards' gradients are complete and are not
-reduced, and their updates run once.
+reduced, and their updates run once. Gradient checkpointing applies to that
+one autodiff (every replica's copy of each chosen checkpoint is kept).
 
 Artifacts for the next passes (ctx.artifacts["replicate"]): the per-replica
 (accumulated) copy of every gradient and each replica's weight, and, for the
@@ -264,8 +265,6 @@ class ReplicatePass(GraphPass):
         problems = []
         if num_micro_batches(ctx.config) > 1:
             problems.append("pipeline.num_micro_batch > 1 (micro-batches)")
-        if ctx.config.get("gradient_checkpoint.type"):
-            problems.append("gradient_checkpoint.type")
         if ctx.config.get("communication.gradients_reduce_method") == "sum":
             problems.append('communication.gradients_reduce_method "sum"')
         if len(view.steps) != 1:
@@ -305,8 +304,18 @@ class ReplicatePass(GraphPass):
         bypassed = boundary.connect_inputs({k: forward_copies[(k, 0)]
                                             for k in range(plan.num_replicas)})
         step = view.steps[0]
+        checkpoints = ctx.artifacts.get("checkpoints") or _select_checkpoints(view, ctx.config)
+        kept = _checkpoint_copies(checkpoints.get(id(step), []), forward_copies,
+                                  plan.num_replicas)
+        multi_worker = ctx.communicator.num_workers > 1
         gradients, backward = self._global_gradients(view, plan, step, forward_copies, weights,
-                                                     mirrors, ctx.communicator.num_workers > 1)
+                                                     mirrors, multi_worker, kept)
+        if kept and ctx.config.get("gradient_checkpoint.check_gradients"):
+            # gradients without checkpointing (never run by the train op): the session
+            # compares them with the checkpointed ones before the first step
+            plain, _ = self._global_gradients(view, plan, step, forward_copies, weights,
+                                              mirrors, multi_worker)
+            ctx.artifacts["gradient_check"] = (plain[0], gradients[0])
         replica_maps = [dict(forward_copies[(k, 0)]) for k in range(plan.num_replicas)]
         for k in range(1, plan.num_replicas):
             replica_maps[k].update(self._copy_apply(view, plan, k, apply_ops, slices, mirrors,
@@ -369,10 +378,13 @@ class ReplicatePass(GraphPass):
 
     @staticmethod
     def _global_gradients(view, plan, step, forward_copies, weights, mirrors,
-                          multi_worker: bool = False):
+                          multi_worker: bool = False, checkpoints: list | None = None):
         """One autodiff of the weighted objective over every replica and split op.
 
-        Returns ([per replica: gradients aligned with view.gradients], backward ops).
+        checkpoints: forward tensors gradient checkpointing keeps (every
+        replica's copies of the chosen template tensors); None or empty: plain
+        autodiff. Returns ([per replica: gradients aligned with
+        view.gradients], backward ops).
         """
         graph = view.graph
         loss = step.loss
@@ -398,7 +410,11 @@ class ReplicatePass(GraphPass):
         kwargs = step.gradient_kwargs
         gate = kwargs.get("gate_gradients", tf.compat.v1.train.Optimizer.GATE_OP)
         first = len(graph.get_operations())
-        grads = tf.compat.v1.gradients(
+        gradient_fn = tf.compat.v1.gradients
+        if checkpoints:
+            gradient_fn = functools.partial(recompute.checkpointed_gradients,
+                                            checkpoints=checkpoints)
+        grads = gradient_fn(
             objective, targets, gate_gradients=gate == tf.compat.v1.train.Optimizer.GATE_OP,
             aggregation_method=kwargs.get("aggregation_method"), colocate_gradients_with_ops=True)
         if gate == tf.compat.v1.train.Optimizer.GATE_GRAPH:
@@ -901,6 +917,19 @@ def _tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | No
         if source is not None and TASKGRAPH_ATTR in source.node_def.attr:
             op._set_attr(TASKGRAPH_ATTR, source.node_def.attr[TASKGRAPH_ATTR])
         op._set_device(source.device if source is not None and source.device else fallback_device)
+
+
+def _checkpoint_copies(template: list, forward_copies: dict, replicas: int) -> list:
+    """The tensors to keep for the chosen template checkpoints: every replica's copy
+    of a replicated one, the tensor itself for one computed by split ops."""
+    kept = []
+    for tensor in template:
+        if tensor.op in forward_copies[(0, 0)]:
+            kept.extend(forward_copies[(k, 0)][tensor.op].outputs[tensor.value_index]
+                        for k in range(replicas))
+        else:
+            kept.append(tensor)
+    return kept
 
 
 def _merge_split_losses(view, units, weights, cross) -> dict:

@@ -62,7 +62,7 @@ from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.ir.clone import replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.sharded_variable import SHARD_ATTR, ShardedVariable, shard_existing, shard_sizes
+from epl.sharded_variable import SHARD_ATTR, shard_existing, shard_sizes
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
 REPLACED_ATTR = "_epl_split_replaced"

@@ -368,3 +368,28 @@ def test_examples_train(script, args):
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 3, result.stdout
     assert losses[-1] < losses[0], result.stdout
+
+
+@pytest.mark.parametrize("kind", ["auto", "collection"])
+def test_gradient_checkpointing_with_split_and_replicas(kind):
+    def build():
+        rng = np.random.RandomState(0)
+        x = tf.compat.v1.placeholder(tf.float32, [B, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [B])
+        with scope(epl.replicate(1, name="body")):
+            h = x
+            for i in range(4):
+                h = layers.dense(h, 6, activation=tf.nn.tanh, name=f"body{i}",
+                                 kernel_initializer=_init([6, 6], 10 + i))
+                if i == 1:
+                    tf.compat.v1.add_to_collection("checkpoints", h)
+        with scope(epl.split(4, name="classifier")):
+            logits = layers.dense(h, 40, kernel_initializer=_init([6, 40], 2), name="classifier")
+            loss = layers.sparse_softmax_cross_entropy(y, logits)
+        return loss, {x: rng.randn(B, 6), y: rng.randint(0, 40, B)}
+    _, _, graph = assert_oracle(build, {"gradient_checkpoint.type": kind,
+                                        "gradient_checkpoint.check_gradients": True},
+                                optimizer="adam")
+    recomputed = [op for op in graph.get_operations() if "_epl_recompute" in op.node_def.attr]
+    assert recomputed, "no forward op is recomputed"
+    assert graph_state(graph).result.gradient_check_max_diff < 1e-5

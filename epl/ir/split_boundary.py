@@ -48,13 +48,11 @@ class SplitBoundary:
     # -- split -> replicas -----------------------------------------------------
     def outputs_to_replicas(self, forward: list) -> dict:
         """{split tensor read by a replicated forward op: [replica k's value]}."""
-        forward_set = set(forward)
         read = []
         for op in forward:
             for tensor in op.inputs:
                 if tensor.op in self.split_set and tensor not in read:
                     read.append(tensor)
-        del forward_set
         return {tensor: [self._rows_for(tensor, k) for k in range(self.plan.num_replicas)]
                 for tensor in read}
 
