@@ -35,7 +35,8 @@ the rewritten ops (the loss outside the scope, a metric) it is gathered
   data-parallel replicas around it the replicate pass turns the dispatch and
   the combine into all-to-all exchanges.
 - BiasAdd and elementwise ops on sharded tensors (biases and scales are split
-  along with the tensor they are added to); sums of partial tensors.
+  along with the tensor they are added to); sums of partial tensors; a
+  Reshape that keeps the sharded last axis whole ([N, V] -> [B, S, V]).
 - GatherV2/ResourceGather (embedding lookup) with a vocabulary-split table:
   each id is looked up on the shard that owns it (dynamic partition and
   stitch, so sparse gradients touch only real rows).
@@ -589,6 +590,27 @@ def _bias_add(rw: _Rewriter, op, layouts):
         value = rw.value(lb, bias)
         parts = [value] * rw.k
     return [Sharded(_clone_on_slots(rw, op, lambda j: [lx.parts[j], parts[j]]), lx.axis, lx.sizes)]
+
+
+@rule("Reshape")
+def _reshape(rw: _Rewriter, op, layouts):
+    """A reshape that keeps the sharded last axis whole (e.g. [N, V] -> [B, S, V])."""
+    x = op.inputs[0]
+    lx = layouts[0]
+    if not isinstance(lx, Sharded):
+        return KEEP if all(_is_full(l) for l in layouts) else None
+    out_shape = op.outputs[0].shape
+    if out_shape.rank is None or x.shape.rank is None or lx.axis != x.shape.rank - 1 \
+            or out_shape[-1] != sum(lx.sizes):
+        return None
+    lead = [-1 if d is None else int(d) for d in out_shape.as_list()[:-1]]
+    if lead.count(-1) > 1:
+        return None
+    parts = []
+    for j in range(rw.k):
+        with rw.on(j):
+            parts.append(tf.reshape(lx.parts[j], lead + [lx.sizes[j]]))
+    return [Sharded(parts, out_shape.rank - 1, lx.sizes)]
 
 
 @rule("GatherV2", "ResourceGather")

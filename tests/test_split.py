@@ -393,3 +393,24 @@ def test_gradient_checkpointing_with_split_and_replicas(kind):
     recomputed = [op for op in graph.get_operations() if "_epl_recompute" in op.node_def.attr]
     assert recomputed, "no forward op is recomputed"
     assert graph_state(graph).result.gradient_check_max_diff < 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_oracle_vocab_parallel_lm_head_on_sequences(optimizer):
+    """A dense layer over [B, S, d] under split: reshape rule keeps the vocab axis sharded."""
+    def build():
+        rng = np.random.RandomState(0)
+        x = tf.compat.v1.placeholder(tf.float32, [B, 5, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [B, 5])
+        with scope(epl.replicate(1, name="body")):
+            h = layers.dense(x, 8, activation=tf.nn.tanh, kernel_initializer=_init([6, 8], 1),
+                             name="body")
+        with scope(epl.split(4, name="lm_head")):
+            logits = layers.dense(h, 64, kernel_initializer=_init([8, 64], 2), name="lm_head")
+            loss = layers.sparse_softmax_cross_entropy(y, logits)
+        return loss, {x: rng.randn(B, 5, 6), y: rng.randint(0, 64, (B, 5))}
+    _, _, graph = assert_oracle(build, optimizer=optimizer)
+    record = graph_state(graph).splits[0]
+    assert record.fallbacks == []
+    assert {n: v.axis for n, v in record.variables.items()} == {"lm_head/kernel": 1,
+                                                                "lm_head/bias": 0}
