@@ -17,8 +17,10 @@ from epl.errors import (ClusterError, ConfigError, EPLError, ParallelizeError, P
 from epl.graph_keys import GraphKeys, add_to_collection
 from epl.parallel import parallelize
 from epl.strategies import replicate, set_default_strategy, split
+from epl import layers  # noqa: E402  (epl.layers.dense / embedding / moe ...)
 
 __all__ = ["Cluster", "Config", "init", "replicate", "split", "set_default_strategy", "parallelize",
+           "layers",
            "GraphKeys", "add_to_collection", "EPLError", "ConfigError", "ScopeError",
            "ClusterError", "ParallelizeError", "PassError"]
 __version__ = "0.1.0"

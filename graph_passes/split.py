@@ -786,8 +786,10 @@ class SplitPass(GraphPass):
         state.splits.extend(records)
         ctx.artifacts[self.name] = records
         added = [op.name for op in graph.get_operations() if op not in before]
-        replaced = [op.name for record in records for op in record.replaced]
-        return PassResult(added=added, removed=replaced, notes=notes)
+        replaced = sorted(op.name for record in records for op in record.replaced)
+        if replaced:  # they stay in the graph (TensorFlow cannot delete ops) and never run
+            notes.append(f"replaced, never run: {', '.join(replaced)}")
+        return PassResult(added=added, notes=notes)
 
 
 def _region_variables(graph: tf.Graph, tagged: list) -> dict:
