@@ -32,12 +32,13 @@ from graph_passes.gradient_comm import GradientCommPass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.schedule import SchedulePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
+from graph_passes.zero import ZeroPass
 
 
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
-    return [AnnotatePass(), ReplicatePass(), SchedulePass(), GradientCommPass(), ApplyGroupsPass(),
-            VerifyPass()]
+    return [AnnotatePass(), ReplicatePass(), SchedulePass(), ZeroPass(), GradientCommPass(),
+            ApplyGroupsPass(), VerifyPass()]
 
 
 @dataclasses.dataclass
@@ -61,6 +62,9 @@ class ParallelGraph:
     # training step; the largest absolute difference is kept here.
     gradient_check: tuple | None = None
     gradient_check_max_diff: float | None = None
+    # zero.level: original slot variable op -> op gathering its shards into it; the
+    # session runs it before a run that reads the original (a Saver's save).
+    gather_ops: dict = dataclasses.field(default_factory=dict)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -139,6 +143,9 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
                            dict(replication.sync_ops), dict(ctx.timings),
                            float(config.get("communication.collective_timeout_s")),
                            ctx.artifacts.get("gradient_check"))
+    zero = ctx.artifacts.get("zero")
+    if zero is not None:
+        result.gather_ops = dict(zero.gather_ops)
     state.parallelized = True
     state.result = result
     return result
