@@ -6,8 +6,10 @@ optimizer slots) and losses as single-device training.
 """
 from __future__ import annotations
 
+import json
 import types
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -126,3 +128,17 @@ def test_checkpoint_holds_full_slots_and_restores(models, epl_env, tmp_path):
             restored = models.variable_values(sess, graph)
     for name, value in reference.variables.items():
         assert restored[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize("sizes", ["8,8", "12,4"])
+def test_zero_two_workers_match_single_device(tmp_path, sizes):
+    """2 workers x 2 devices: Adam's state in 4 shards, Horovod reduce-scatter/all-gather."""
+    from test_multiworker import _errors, _horovodrun
+    result = _horovodrun("zero_worker.py", "adam", sizes, str(tmp_path))
+    assert result.returncode == 0, _errors(result.stdout + result.stderr)
+    params = 6 * 8 + 8 + 8 * 3  # the worker's MLP
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        np.testing.assert_allclose(record["losses"], record["ref_losses"], rtol=1e-5)
+        assert max(record["errors"].values()) < 1e-4, record["errors"]
+        assert record["state_bytes"] == {f"/device:CPU:{d}": 2 * 4 * params // 4 for d in (0, 1)}
