@@ -25,10 +25,12 @@ from epl.planner.plan import Plan, make_plan
 from epl.planner.planner import local_replica_weights
 from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
+from graph_passes.amp import AmpPass
 from graph_passes.annotate import AnnotatePass
 from graph_passes.apply_groups import ApplyGroupsPass
 from graph_passes.auto_stages import auto_stages
 from graph_passes.gradient_comm import GradientCommPass
+from graph_passes.loss_scale import LossScalePass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.schedule import SchedulePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
@@ -37,8 +39,8 @@ from graph_passes.zero import ZeroPass
 
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
-    return [AnnotatePass(), ReplicatePass(), SchedulePass(), ZeroPass(), GradientCommPass(),
-            ApplyGroupsPass(), VerifyPass()]
+    return [AnnotatePass(), AmpPass(), ReplicatePass(), SchedulePass(), ZeroPass(),
+            GradientCommPass(), LossScalePass(), ApplyGroupsPass(), VerifyPass()]
 
 
 @dataclasses.dataclass
