@@ -195,3 +195,15 @@ def test_amp_dynamic_loss_scale_refuses_reference_variables(models, epl_env):
         "update of a step whose gradients overflow, which needs resource variables, but w1 is a "
         "reference variable (VariableV2). Create variables with use_resource=True (or call "
         "tf.compat.v1.enable_resource_variables()), or set a fixed amp.loss_scale.")
+
+
+def test_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
+    """2 workers x 2 devices under horovodrun: only worker 1's batch overflows."""
+    from test_multiworker import _errors, _horovodrun
+    result = _horovodrun("amp_worker.py", str(tmp_path))
+    assert result.returncode == 0, _errors(result.stdout + result.stderr)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["skipped"], record
+        assert record["scale"] == [2.0 ** 15, 2.0 ** 14], record
+        assert record["updated_later"], record
