@@ -31,6 +31,7 @@ from graph_passes.apply_groups import ApplyGroupsPass
 from graph_passes.auto_stages import auto_stages
 from graph_passes.gradient_comm import GradientCommPass
 from graph_passes.loss_scale import LossScalePass
+from graph_passes.offload import OffloadPass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.schedule import SchedulePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
@@ -40,7 +41,7 @@ from graph_passes.zero import ZeroPass
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
     return [AnnotatePass(), AmpPass(), ReplicatePass(), SchedulePass(), ZeroPass(),
-            GradientCommPass(), LossScalePass(), ApplyGroupsPass(), VerifyPass()]
+            GradientCommPass(), LossScalePass(), OffloadPass(), ApplyGroupsPass(), VerifyPass()]
 
 
 @dataclasses.dataclass
