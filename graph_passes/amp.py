@@ -41,10 +41,10 @@ from tensorflow.python.framework import kernels
 from epl.errors import ParallelizeError
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
 
-COMPUTE_HEAVY_TYPES = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
-                                 "Conv2D", "Conv3D", "DepthwiseConv2dNative",
-                                 "Conv2DBackpropInput", "Conv3DBackpropInputV2", "Einsum"})
+# the one list of op types AMP lowers, shared with the planner's memory model
+COMPUTE_HEAVY_TYPES = AMP_LOW_PRECISION_TYPES
 DYNAMIC_INITIAL_SCALE = 2.0 ** 15
 DYNAMIC_GROWTH_STEPS = 2000
 SCOPE = "EPL_AMP"
