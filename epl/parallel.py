@@ -41,7 +41,7 @@ from graph_passes.zero import ZeroPass
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
     return [AnnotatePass(), AmpPass(), ReplicatePass(), SchedulePass(), ZeroPass(),
-            GradientCommPass(), LossScalePass(), OffloadPass(), ApplyGroupsPass(), VerifyPass()]
+            GradientCommPass(), ApplyGroupsPass(), LossScalePass(), OffloadPass(), VerifyPass()]
 
 
 @dataclasses.dataclass

@@ -26,7 +26,8 @@ vector zero-padded to N x S):
 Every op that waited for the replica's original update op (the optimizer's
 "finish" ops: Adam's beta powers, the global step increment) waits for the
 write-back instead; the original update ops and the replicas' full-size slot
-mirrors are no longer run, so they are never initialized and take no memory.
+mirrors are no longer run, so they are never initialized and take no memory
+(the original update op moves to the host with the slots it names, see _detach).
 Shard index of replica k on worker w: w x R + (position of k's device among
 the variable's replica devices, sorted by name).
 
@@ -224,6 +225,8 @@ class ZeroPass(GraphPass):
                                     replicas, workers)
             result.shards[var] = built
             result.reduced[var.name] = 1
+            if slots:
+                _detach(update, var, ctx.cluster.host_device)
             for slot in slots:
                 slot_shards[slot] = [b[slot] for b in built]
         for slot, shards in slot_shards.items():
@@ -231,10 +234,7 @@ class ZeroPass(GraphPass):
                                                 rank, replicas, workers)
             replication.sync_ops[slot] = sync
             result.gather_ops[slot] = gather
-            slot._set_device(ctx.cluster.host_device)  # the checkpoint copy
-            for consumer in slot.outputs[0].consumers():
-                if consumer.type in ("ReadVariableOp", "AssignVariableOp", "VarIsInitializedOp"):
-                    consumer._set_device(ctx.cluster.host_device)
+            _to_host(slot, ctx.cluster.host_device)  # the checkpoint copy
         ctx.artifacts[self.name] = result
         added = [op.name for op in graph.get_operations() if op not in before]
         return PassResult(added=added, notes=[
@@ -358,6 +358,41 @@ class _tagged:
             op._set_attr(PHASE_ATTR, phase)
             op._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=self.replica))
         return False
+
+
+def _to_host(slot: tf.Operation, host: str) -> None:
+    """Place an original slot variable, the ops on its handle and its initial value
+    on the host. Optimizers create slots colocated with their variable (the `_class`
+    attribute); that colocation is dropped, or TensorFlow would keep them together."""
+    groups = set(slot.colocation_groups()) - {f"loc:@{slot.name}".encode()}
+    users = [slot] + list(slot.outputs[0].consumers())
+    inputs = [t.op for op in users[1:] for t in op.inputs
+              if t.op is not slot and groups & set(t.op.colocation_groups())
+              and all(c in users for c in t.consumers())]
+    for op in users + inputs:
+        if groups & set(op.colocation_groups()):
+            op._clear_attr("_class")
+        op._set_device(host)
+
+
+def _detach(update: tf.Operation, var: tf.Operation, host: str) -> None:
+    """Let the original (no longer run) update op sit on the host with the slots.
+
+    TensorFlow places every op of the graph, run or not, and an op's variable
+    handles must all be on one device: the original slots move to the host
+    (checkpoint copies), so the original update op, which takes them, moves too,
+    reading a never-initialized full-size stand-in for the parameter instead of
+    the parameter itself (which stays on its device).
+    """
+    with tf.device(host), tf.name_scope(SCOPE):
+        stand_in = tf.raw_ops.VarHandleOp(dtype=_var_dtype(var), shape=_var_shape(var),
+                                          shared_name=f"{SCOPE}/{var.name}/unused",
+                                          name=f"{var.name.replace(':', '_')}_unused")
+    for name in (TASKGRAPH_ATTR, PHASE_ATTR):
+        if name in var.node_def.attr:
+            stand_in.op._set_attr(name, var.node_def.attr[name])
+    update._update_input(0, stand_in)
+    update._set_device(host)
 
 
 def _shard_variable(state: tf.Operation, replica: int, size: int, dtype: tf.DType,

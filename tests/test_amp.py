@@ -84,6 +84,14 @@ def test_fixed_loss_scale_and_zero_match_single_device(models, epl_env):
     _assert_close(models.train(STEPS, model="mlp", optimizer="adam"), reference, "float16", "adam")
 
 
+@pytest.mark.parametrize("extra", [{"gradient_checkpoint.type": "auto"},
+                                   {"optimizer.num_apply_group": 3}])
+def test_amp_combined_with_memory_features(models, epl_env, extra):
+    reference = models.single_device(model="transformer", optimizer="sgd")
+    epl_env({**BASE, "cluster.virtual_devices": 2, **extra})
+    _assert_close(models.train(STEPS, model="transformer", optimizer="sgd"), reference, "float16")
+
+
 def _replica_reads(graph):
     """Per replica, reads of every variable it holds (originals are replica 0)."""
     reads = {}

@@ -142,3 +142,20 @@ def test_zero_two_workers_match_single_device(tmp_path, sizes):
         np.testing.assert_allclose(record["losses"], record["ref_losses"], rtol=1e-5)
         assert max(record["errors"].values()) < 1e-4, record["errors"]
         assert record["state_bytes"] == {f"/device:CPU:{d}": 2 * 4 * params // 4 for d in (0, 1)}
+
+
+def test_zero_with_pipeline_stages_matches_single_device(epl_env):
+    """2 stages x 2 pipelines, 2 micro-batches: each stage's Adam state is sharded
+    over that stage's two devices (and the checkpoint copies sit on the host)."""
+    from test_pipeline import assert_same, reference, train_encoder
+    expected = reference(4, "adam")
+    epl_env({**TIMEOUT, "cluster.virtual_devices": 4, "pipeline.num_micro_batch": 2,
+             "zero.level": "v1", "debug.check_invariants": True})
+    assert_same(train_encoder(layers=4, stages=2, optimizer="adam"), expected)
+
+
+def test_zero_with_apply_groups_matches_single_device(models, epl_env):
+    reference = models.single_device(model="mlp", optimizer="adam")
+    epl_env({**TIMEOUT, "cluster.virtual_devices": 2, "zero.level": "v1",
+             "optimizer.num_apply_group": 3, "debug.check_invariants": True})
+    models.assert_same_training(models.train(STEPS, model="mlp", optimizer="adam"), reference)
