@@ -7,9 +7,13 @@ its handle (reads, the optimizer's update ops, initializers, the conds of the
 loss_scale pass) and every op colocated with it. The forward and backward ops
 stay on the compute devices: a weight is read on the host and TensorFlow copies
 the value to the device that computes with it (and the gradient back to the
-host for the update), so device memory holds only the weights in use and the
-activations. As in the planner's model of offload (epl/planner/planner.py), the
-optimizer update runs on the host.
+host for the update). Between steps the device holds no weights and no
+optimizer state; as in the planner's model of offload (epl/planner/planner.py),
+the optimizer update runs on the host. Within a step TensorFlow sends a weight
+as soon as its read has run, and the forward and backward both use it, so the
+device may hold copies of all of a replica's weights during the step: v0 does
+not order the copies to keep only a layer or two on the device, which the
+planner's model assumes (a double-buffered largest layer).
 
 Variables that share an op with these (the full-size slot mirrors ZeRO no longer
 runs, which are never initialized and hold no memory) move with them: TensorFlow

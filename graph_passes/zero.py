@@ -258,7 +258,7 @@ class ZeroPass(GraphPass):
         position = {k: i for i, k in enumerate(order)}
         flats = []
         for k in order:
-            with _tagged(graph, var, k), tf.device(devices[k]), tf.name_scope(SCOPE):
+            with _TagNewOps(graph, var, k), tf.device(devices[k]), tf.name_scope(SCOPE):
                 flat = tf.reshape(grads[k], [-1])
                 if method != "sum":
                     flat = flat * tf.cast(weights[k], flat.dtype)
@@ -267,7 +267,7 @@ class ZeroPass(GraphPass):
         built, new_shards = [], [None] * replicas
         for k in range(replicas):
             index = rank * replicas + position[k]
-            with _tagged(graph, var, k), tf.device(devices[k]), tf.name_scope(SCOPE):
+            with _TagNewOps(graph, var, k), tf.device(devices[k]), tf.name_scope(SCOPE):
                 shards = {state: _shard_variable(state, k, size, dtype, devices[k])
                           for state in [var] + slots}
                 full = tf.reshape(_read(mirrors[k], dtype), [-1])
@@ -292,7 +292,7 @@ class ZeroPass(GraphPass):
             built.append(shards)
         gathered = comm.all_gather([new_shards[k] for k in order], [devices[k] for k in order])
         for k in range(replicas):
-            with _tagged(graph, var, k), tf.device(devices[k]), tf.name_scope(SCOPE):
+            with _TagNewOps(graph, var, k), tf.device(devices[k]), tf.name_scope(SCOPE):
                 value = gathered[position[k]]
                 value = tf.reshape(value[:n] if padded > n else value, shape)
                 write = tf.raw_ops.AssignVariableOp(resource=mirrors[k].outputs[0], value=value)
@@ -311,7 +311,7 @@ class ZeroPass(GraphPass):
         n = shape.num_elements()
         size = _var_shape(shards[0]).num_elements()
         with tf.name_scope(f"{SCOPE}_SYNC"):
-            with _tagged(graph, slot, 0), tf.device(host):
+            with _TagNewOps(graph, slot, 0), tf.device(host):
                 value = _read(slot, dtype)
                 assigns = []
                 if comm.cross is not None:  # every worker starts from worker 0's state
@@ -322,25 +322,25 @@ class ZeroPass(GraphPass):
                     flat = tf.pad(flat, [[0, size * replicas * workers - n]])
             for i, k in enumerate(order):
                 index = rank * replicas + i
-                with _tagged(graph, slot, k), tf.device(devices[k]):
+                with _TagNewOps(graph, slot, k), tf.device(devices[k]):
                     assigns.append(tf.raw_ops.AssignVariableOp(
                         resource=shards[k].outputs[0], value=flat[index * size:(index + 1) * size]))
-            with _tagged(graph, slot, 0), tf.device(host):
+            with _TagNewOps(graph, slot, 0), tf.device(host):
                 sync = tf.group(*assigns)
         with tf.name_scope(f"{SCOPE}_GATHER"):
             reads = []
             for k in order:
-                with _tagged(graph, slot, k), tf.device(devices[k]):
+                with _TagNewOps(graph, slot, k), tf.device(devices[k]):
                     reads.append(_read(shards[k], dtype))
             gathered = comm.all_gather(reads, [devices[k] for k in order])
             # every member of a collective must run, or the others wait forever
-            with _tagged(graph, slot, 0), tf.device(host), tf.control_dependencies(gathered[1:]):
+            with _TagNewOps(graph, slot, 0), tf.device(host), tf.control_dependencies(gathered[1:]):
                 gather = tf.raw_ops.AssignVariableOp(
                     resource=slot.outputs[0], value=tf.reshape(gathered[0][:n], shape))
         return sync, gather
 
 
-class _tagged:
+class _TagNewOps:
     """Context manager: ops created inside get `source`'s TaskGraph, phase apply and replica k."""
 
     def __init__(self, graph: tf.Graph, source: tf.Operation, replica: int):
