@@ -1,4 +1,4 @@
-"""Gradient checkpointing: peak memory and step time of one training step.
+"""Gradient checkpointing (peak memory and step time of one step) and ZeRO (optimizer state).
 
 Builds a deep model in plain TensorFlow (no EPL: this measures the algorithm
 in epl/ir/recompute.py, not the passes around it) and runs one training step
@@ -29,6 +29,12 @@ Per side it reports
 Prints one line per side, the ratios and
   memory: activation memory with checkpointing = X.XX x baseline (target <= 0.35)
           at Y.YY x step time (target <= 1.35)          [one line]
+
+ZeRO (a fourth subprocess): the same model under EPL with Adam on
+--zero-replicas virtual CPU devices, parallelized without and with
+`zero.level: "v1"`; the optimizer-state bytes per replica are read from the
+placed graph (graph_passes.zero.optimizer_state_bytes), and
+  zero: optimizer-state bytes per replica with ZeRO = R.RRR x replicated Adam (target 1/N)
 
 Usage:
   python bench/memory.py            # 24-layer transformer (the full run)
@@ -176,11 +182,53 @@ def timing_worker(args) -> dict:
             "pair_ratio": common.median(ratios)}
 
 
+def zero_worker(args) -> dict:
+    """Adam's optimizer-state bytes per replica, replicated and with ZeRO (zero.level v1).
+
+    The same model under EPL on --zero-replicas virtual CPU devices, parallelized
+    twice; the bytes come from the placed graph (graph_passes.zero.optimizer_state_bytes:
+    the optimizer-state variables a step reads, by device).
+    """
+    import tensorflow as tf
+    import common
+    import epl
+    from epl import env
+    from graph_passes.zero import optimizer_state_bytes
+
+    tf.compat.v1.enable_resource_variables()  # ZeRO shards resource variables
+    spec = _spec(args)
+    params_fn, loss_fn, _ = common.model_fns(spec)
+    sides = {}
+    for level in ("", "v1"):
+        env.reset()
+        epl.init(epl.Config({"cluster.virtual_devices": args.zero_replicas, "zero.level": level}))
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.set_random_seed(0)
+            inputs, labels = common.input_placeholders(spec, args.batch)
+            with epl.replicate(device_count=1):
+                params = params_fn(spec, common.v1_variable)
+                loss = loss_fn(spec, params, inputs, labels)
+            train_op = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+            param_bytes = sum(v.shape.num_elements() * v.dtype.size for v in params.values())
+            start = time.perf_counter()
+            epl.parallelize(graph)
+            sides["zero" if level else "replicated"] = {
+                "per_device": optimizer_state_bytes(graph, [train_op]),
+                "parallelize_s": time.perf_counter() - start}
+        env.reset()
+    replicated, zero = (max(sides[k]["per_device"].values()) for k in ("replicated", "zero"))
+    return {"side": "zero", "replicas": args.zero_replicas, "param_bytes": param_bytes,
+            "replicated_bytes": replicated, "zero_bytes": zero, "ratio": zero / replicated,
+            "devices": len(sides["zero"]["per_device"]), **sides}
+
+
 def _run_side(args, side: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--side", side, "--model", args.model,
                "--layers", str(args.layers), "--width", str(args.width), "--batch",
                str(args.batch), "--seq", str(args.seq), "--heads", str(args.heads),
-               "--steps", str(args.steps), "--threads", str(args.threads)]
+               "--steps", str(args.steps), "--threads", str(args.threads),
+               "--zero-replicas", str(args.zero_replicas)]
     if args.dynamic:
         command.append("--dynamic")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -210,21 +258,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small model, smoke test")
     parser.add_argument("--dynamic", action="store_true",
                         help="placeholders with an unknown batch dimension")
-    parser.add_argument("--side", choices=("baseline", "checkpointed", "timing"),
+    parser.add_argument("--zero-replicas", type=int, default=4,
+                        help="data-parallel replicas (virtual CPU devices) of the ZeRO comparison")
+    parser.add_argument("--side", choices=("baseline", "checkpointed", "timing", "zero"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.batch, args.seq, args.steps = 6, 32, 8, 16, 2
     if args.side:
-        result = timing_worker(args) if args.side == "timing" else worker(args)
+        result = {"timing": timing_worker, "zero": zero_worker}.get(args.side, worker)(args)
         print(json.dumps(result), flush=True)
         return result
     what = (f"{args.model}: {args.layers} layers, width {args.width}, batch {args.batch}"
             + (f", seq {args.seq}, {args.heads} heads" if args.model == "transformer" else "")
             + f"; {args.threads} threads, median of {args.steps} steps")
     print(f"memory benchmark ({what})")
-    results = {side: _run_side(args, side) for side in ("baseline", "checkpointed", "timing")}
-    timing = results.pop("timing")
+    results = {side: _run_side(args, side)
+               for side in ("baseline", "checkpointed", "timing", "zero")}
+    timing, zero = results.pop("timing"), results.pop("zero")
     for side, r in results.items():
         print(f"  {side:12s} activation peak {_mb(r['step_peak']):>11s}  allocator peak "
               f"{_mb(r['allocator_peak']) if r['allocator_peak'] else 'n/a':>11s}  "
@@ -245,7 +296,13 @@ def main(argv=None) -> dict:
     print(f"  RSS growth during the step: {rss:.2f} x baseline; allocator peak {allocator}")
     print(f"memory: activation memory with checkpointing = {memory:.2f} x baseline "
           f"(target <= {MEMORY_TARGET}) at {step:.2f} x step time (target <= {TIME_TARGET})")
-    return {"memory": memory, "rss": rss, "step": step, **results, "timing": timing}
+    print(f"  Adam optimizer state per replica over {zero['replicas']} replicas (placed graph, "
+          f"{_mb(zero['param_bytes'])} of parameters): replicated "
+          f"{_mb(zero['replicated_bytes'])}, ZeRO {_mb(zero['zero_bytes'])}")
+    print(f"zero: optimizer-state bytes per replica with ZeRO = {zero['ratio']:.3f} x replicated "
+          f"Adam (target 1/{zero['replicas']} = {1 / zero['replicas']:.3f})")
+    return {"memory": memory, "rss": rss, "step": step, **results, "timing": timing,
+            "zero": zero}
 
 
 if __name__ == "__main__":

@@ -211,8 +211,8 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "checkpointing."),
     # zero
     KeySpec("zero.level", "str", "",
-            "ZeRO level: '' (off) or 'v1' (partition optimizer states and "
-            "gradients across data-parallel replicas).",
+            "ZeRO level: '' (off) or 'v1' (partition optimizer states and the "
+            "update across data-parallel replicas; gradients are reduce-scattered).",
             allowed=("", "v1")),
     # offload
     KeySpec("offload.level", "str", "",

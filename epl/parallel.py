@@ -25,19 +25,23 @@ from epl.planner.plan import Plan, make_plan
 from epl.planner.planner import local_profiles, local_replica_weights
 from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
 from epl.strategies import EAGER_HINT
+from graph_passes.amp import AmpPass
 from graph_passes.annotate import AnnotatePass
 from graph_passes.apply_groups import ApplyGroupsPass
 from graph_passes.auto_stages import auto_stages
 from graph_passes.gradient_comm import GradientCommPass
+from graph_passes.loss_scale import LossScalePass
+from graph_passes.offload import OffloadPass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.schedule import SchedulePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
+from graph_passes.zero import ZeroPass
 
 
 def training_pipeline() -> list:
     """The training passes, in order (DESIGN.md, "Data flow")."""
-    return [AnnotatePass(), ReplicatePass(), SchedulePass(), GradientCommPass(), ApplyGroupsPass(),
-            VerifyPass()]
+    return [AnnotatePass(), AmpPass(), ReplicatePass(), SchedulePass(), ZeroPass(),
+            GradientCommPass(), ApplyGroupsPass(), LossScalePass(), OffloadPass(), VerifyPass()]
 
 
 @dataclasses.dataclass
@@ -61,6 +65,9 @@ class ParallelGraph:
     # training step; the largest absolute difference is kept here.
     gradient_check: tuple | None = None
     gradient_check_max_diff: float | None = None
+    # zero.level: original slot variable op -> op gathering its shards into it; the
+    # session runs it before a run that reads the original (a Saver's save).
+    gather_ops: dict = dataclasses.field(default_factory=dict)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -142,6 +149,9 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
                            dict(replication.sync_ops), dict(ctx.timings),
                            float(config.get("communication.collective_timeout_s")),
                            ctx.artifacts.get("gradient_check"))
+    zero = ctx.artifacts.get("zero")
+    if zero is not None:
+        result.gather_ops = dict(zero.gather_ops)
     state.parallelized = True
     state.result = result
     return result

@@ -1,7 +1,8 @@
 """Apply groups: bound the update's temporary memory (optimizer.num_apply_group).
 
 With `optimizer.num_apply_group: N > 1` the variable updates of each replica
-are split into N groups, in variable order, and group g + 1 runs only after
+are split into N groups, in variable order (an update that depends on others,
+like the optimizer's finish ops, after them), and group g + 1 runs only after
 every update of group g: at most one group's temporaries (for Adam: the new
 moments and the step) are live at a time. An update op is an apply-phase op
 that writes a variable, read from the op's registered definition (its first
@@ -36,9 +37,25 @@ def update_groups(graph: tf.Graph, groups: int, train_ops) -> dict[int, list[lis
             by_replica.setdefault(replica, []).append(op)
     cut = {}
     for replica, ops in by_replica.items():
+        ops = _dependency_order(ops)
         size = -(-len(ops) // groups)
         cut[replica] = [ops[i:i + size] for i in range(0, len(ops), size)]
     return cut
+
+
+def _dependency_order(ops: list[tf.Operation]) -> list[tf.Operation]:
+    """`ops` (creation order) reordered so an op comes after every op of the list it
+    depends on (the optimizer's finish ops wait for the updates; passes such as ZeRO
+    add updates after them), creation order otherwise. Groups are then cut from
+    this order, so no group waits for a later one (no cycle)."""
+    members = set(ops)
+    before = {op: (ancestors([op]) & members) - {op} for op in ops}
+    ordered, placed = [], set()
+    while len(ordered) < len(ops):
+        ready = next(op for op in ops if op not in placed and before[op] <= placed)
+        ordered.append(ready)
+        placed.add(ready)
+    return ordered
 
 
 class ApplyGroupsPass(GraphPass):

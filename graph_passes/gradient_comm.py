@@ -22,6 +22,9 @@ back into the gradients' shapes.
 `communication.fp16_scale` before the cast and divided after, to keep small
 gradients out of float16's subnormal range.
 
+Gradients the ZeRO pass (graph_passes/zero.py) already reduce-scattered are
+skipped here (and counted as reduced).
+
 Sparse gradients (tf.IndexedSlices from embedding lookups) are gathered, not
 reduced: every replica gets the concatenation of all replicas' (weighted)
 values and indices; the optimizer's sparse update sums duplicate indices. With
@@ -115,7 +118,9 @@ class GradientCommPass(GraphPass):
         even = ctx.plan.even and ctx.communicator.num_workers == 1
         fp16_scale = float(config.get("communication.fp16_scale")) if config.get("communication.fp16") else None
         before = set(graph.get_operations())
-        per_gradient = replication.gradients
+        zero = ctx.artifacts.get("zero")  # gradients ZeRO reduce-scattered itself
+        sharded = zero.reduced if zero is not None else {}
+        per_gradient = [entry for entry in replication.gradients if entry[0].name not in sharded]
         needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
         reduced_of: dict[str, int] = {}
         buckets: list[Bucket] = []
@@ -144,6 +149,7 @@ class GradientCommPass(GraphPass):
                     reduced_of[var.name] = reduced_of.get(var.name, 0) + 1
         else:
             reduced_of = {var.name: 1 for var, _, _ in per_gradient}
+        reduced_of.update(sharded)
         ctx.artifacts[self.name] = reduced_of
         added = [op.name for op in graph.get_operations() if op not in before]
         return PassResult(added=added, notes=[

@@ -240,8 +240,8 @@ def test_nothing_fits_says_by_how_much_and_what_would_help():
         "batch 64, optimizer adam, 2 devices).",
         "Closest plan: data-parallel, balanced + ZeRO + gradient "
         "checkpointing. Per device:",
-        "  devices 0-1 (T4): needs 50.0 GB with 15.2 GB usable: short by "
-        "34.8 GB (parameters 4.0 GB, gradients 2.0 GB, optimizer 4.0 GB, "
+        "  devices 0-1 (T4): needs 54.0 GB with 15.2 GB usable: short by "
+        "38.8 GB (parameters 6.0 GB, gradients 4.0 GB, optimizer 4.0 GB, "
         "activations 40.0 GB)",
         "What would help:",
         "  - gradient checkpointing and ZeRO were tried; the closest plan "
@@ -249,10 +249,12 @@ def test_nothing_fits_says_by_how_much_and_what_would_help():
         "and is still short",
         "  - more devices: 8x this cluster (16 devices) fits, with ZeRO and "
         "split layers sharded further and the same global batch",
-        "  - a smaller global batch: at most 8 examples fit",
         "Rejected plans:",
         "  - data-parallel, even split: device 0 needs 80.0 GB on a 16.0 GB "
         "T4 (15.2 GB usable) for 32 examples: parameters 4.0 GB, gradients "
+        "4.0 GB, optimizer 8.0 GB, activations 64.0 GB (and 1 more device)",
+        "  - data-parallel, balanced by capability: device 0 needs 80.0 GB on a "
+        "16.0 GB T4 (15.2 GB usable) for 32 examples: parameters 4.0 GB, gradients "
         "4.0 GB, optimizer 8.0 GB, activations 64.0 GB (and 1 more device)"]
 
 

@@ -691,6 +691,34 @@ def optimizer_slots(optimizer: str) -> int:
     return OPTIMIZER_SLOTS[key]
 
 
+# AMP O1 (graph_passes/amp.py) runs these op types in low precision; their
+# gradients are products of the same kinds (plus the filter/input backprops).
+AMP_LOW_PRECISION_TYPES = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "Einsum"})
+AMP_GRADIENT_TYPES = AMP_LOW_PRECISION_TYPES | frozenset({
+    "Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput"})
+
+
+def amp_low_precision_activations(graph: tf.Graph,
+                                  phase_fn: Callable[[tf.Operation], str] = phase_of
+                                  ) -> set:
+    """Activation tensors AMP O1 keeps in low precision for the backward pass.
+
+    Under O1 a product's inputs are cast down before it runs, and its gradient
+    reads the low-precision casts; a forward tensor that only such gradients
+    read is kept in low precision, one that any other backward op reads (a
+    ReLU output read by ReluGrad) stays float32.
+    """
+    readers: dict = defaultdict(set)
+    for op in graph.get_operations():
+        if phase_fn(op) == BACKWARD:
+            for tensor in op.inputs:
+                readers[_source_tensor(tensor)].add(op.type)
+    return {t for t, types in readers.items() if types <= AMP_GRADIENT_TYPES}
+
+
 def _amp_factor(amp_dtype: Any) -> float:
     """Factor applied to float32 activation bytes under AMP."""
     if amp_dtype is None:
@@ -759,9 +787,9 @@ def checkpointed_bytes(sizes: list[float]) -> float:
 
 
 def _activation_bytes(tensors: list[tf.Tensor], s: _Sizer,
-                      amp: float, checkpointing: bool) -> float:
-    """Bytes of one group's activation tensors."""
-    sizes = [s.nbytes(t) * (amp if t.dtype.base_dtype == tf.float32 else 1)
+                      amp: float, checkpointing: bool, low: set = frozenset()) -> float:
+    """Bytes of one group's activation tensors (`low`: those AMP keeps in low precision)."""
+    sizes = [s.nbytes(t) * (amp if t.dtype.base_dtype == tf.float32 and t in low else 1)
              for t in tensors]
     return checkpointed_bytes(sizes) if checkpointing else float(sum(sizes))
 
@@ -805,8 +833,10 @@ def memory_estimate(graph: tf.Graph | tf.compat.v1.GraphDef,
         checkpointing: keep only ~sqrt(n) activations plus one recomputed
             segment (see `checkpointed_bytes`), per group.
         zero_shards: ZeRO: optimizer slots are divided by this many shards.
-        amp_dtype: float16/bfloat16 halves the bytes of float32 activations
-            (parameters, gradients and slots stay float32 as in TF's AMP).
+        amp_dtype: float16/bfloat16 halves the bytes of the float32
+            activations that only gradients of products read (AMP O1 keeps
+            their low-precision casts, `amp_low_precision_activations`);
+            parameters, gradients and slots stay float32.
         phase_fn: op -> phase; default reads the `_epl_phase` attribute.
             With no backward-phase ops, activations are zero.
         unknown_dim: size assumed for unknown dimensions (e.g. batch size).
@@ -833,17 +863,18 @@ def memory_estimate(graph: tf.Graph | tf.compat.v1.GraphDef,
         part["exact"] &= exact
     for tensor in activation_tensors(graph, phase_fn):
         parts[group_fn(tensor.op)]["acts"].append(tensor)
+    low = amp_low_precision_activations(graph, phase_fn) if amp != 1.0 else set()
     return {key: _group_memory(part, slots, zero_shards, amp, checkpointing,
-                               unknown_dim)
+                               unknown_dim, low)
             for key, part in parts.items()}
 
 
 def _group_memory(part: dict[str, Any], slots: int, zero_shards: int,
                   amp: float, checkpointing: bool,
-                  unknown_dim: int | None) -> MemoryEstimate:
+                  unknown_dim: int | None, low: set = frozenset()) -> MemoryEstimate:
     """The MemoryEstimate of one group's collected parts."""
     s = _Sizer(unknown_dim)
-    activations = _activation_bytes(part["acts"], s, amp, checkpointing)
+    activations = _activation_bytes(part["acts"], s, amp, checkpointing, low)
     params = part["params"]
     return MemoryEstimate(
         parameters=params, gradients=params,

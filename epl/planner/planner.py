@@ -30,9 +30,11 @@ The model of one device
 -----------------------
 - Memory: parameters, gradients (as large as the parameters), optimizer
   slots (`cost_model.optimizer_slots` per parameter, in the parameters'
-  dtype) and activations kept for the backward pass.  ZeRO divides the
-  gradients and optimizer slots of replicated parameters by the number of
-  data-parallel devices.  Gradient checkpointing keeps about sqrt(n)
+  dtype) and activations kept for the backward pass.  ZeRO (stage 1, as
+  graph_passes/zero.py builds it) divides the optimizer slots and the update
+  of replicated parameters by the number of data-parallel devices; each
+  device keeps its full gradients and adds a working copy of its parameter
+  shard (1/n of the parameters).  Gradient checkpointing keeps about sqrt(n)
   activations (`cost_model.checkpointed_bytes`) and recomputes the forward
   pass once more.  Offload keeps parameters, gradients and optimizer state
   in host memory (checked against `host_memory_per_device`); the device
@@ -851,8 +853,10 @@ def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
     share = units / ctx.model.split_units if ctx.model.split_units else 0.0
     dense, split = totals.params, totals.split_params * share
     dense_sharded = dense / n if zero else dense
-    params = dense + split
-    grads = dense_sharded + split
+    # ZeRO stage 1 as graph_passes/zero.py builds it: full gradients, slots and
+    # update sharded, plus a working copy of the device's parameter shard
+    params = dense + split + (dense_sharded if zero else 0.0)
+    grads = dense + split
     slots = (dense_sharded + split) * ctx.slots
     split_act = totals.split_act * ctx.global_batch * share
     update = dense_sharded + split

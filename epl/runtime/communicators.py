@@ -168,6 +168,32 @@ class HierarchicalCommunicator(Communicator):
             total = self.cross.all_gather(tf.identity(local[0]))
         return [total] * len(devices)
 
+    def reduce_scatter(self, tensors, devices):
+        """Sum over every device of every worker; local device r of worker w gets
+        slice w * R + r of R * W equal slices along axis 0 (R local devices, W
+        workers): the order `all_gather` concatenates in, so the two are inverses.
+
+        Across workers each local device reduce-scatters its own part through
+        Horovod: local reduce-scatter first (the rows every worker's slice r
+        needs), then a cross-worker reduce-scatter of that part.
+        """
+        if self.cross is None:
+            return self.local.reduce_scatter(tensors, devices)
+        workers, local = self.num_workers, len(devices)
+        outputs = []
+        interleaved = []
+        for tensor, device in zip(tensors, devices):
+            with tf.device(device):  # rows [w, r, ...] -> [r, w, ...]: device r's part first
+                grid = tf.reshape(tensor, [workers, local, -1])
+                interleaved.append(tf.reshape(tf.transpose(grid, [1, 0, 2]), [local, -1]))
+        parts = self.local.reduce_scatter(interleaved, devices)
+        for part, tensor, device in zip(parts, tensors, devices):
+            rows = tensor.shape[0] // (workers * local)
+            with tf.device(device):
+                mine = self.cross.reduce_scatter(tf.reshape(part, [workers, -1]), "sum")
+                outputs.append(tf.reshape(mine, [rows] + tensor.shape.as_list()[1:]))
+        return outputs
+
     def broadcast(self, tensor, devices):
         if self.cross is not None:
             with tf.device(devices[0]):

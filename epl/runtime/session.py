@@ -7,7 +7,8 @@
   is finalized, so the scaffold's init op and saver see the parallel graph.
 - `Session.run` returns merged values for merged tensors (the loss is the mean
   over the global batch), and after a run that wrote an original variable
-  (initialization, restore, an assign) copies it into the replicas' mirrors.
+  (initialization, restore, an assign) copies it into the replicas' mirrors;
+  before a run that reads an original variable ZeRO shards (a save), gathers the shards into it.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class _RunPlan:
         written = _written_variables(result, [t for t in targets if t is not None])
         self.trains = any(t in result.view.train_ops for t in targets if t is not None)
         self.sync = [result.sync_ops[v] for v in written if v in result.sync_ops]
+        self.gather = [result.gather_ops[v] for v in _read_variables(result, targets)]
 
 
 def _as_op(graph, fetch):
@@ -121,6 +123,22 @@ def _written_variables(result: ParallelGraph, targets) -> list:
     return sorted(written, key=lambda v: v._id)
 
 
+def _read_variables(result: ParallelGraph, targets) -> list:
+    """Variables with a `gather_ops` entry (ZeRO's sharded slots) that ops outside
+    the training step read (a Saver's save): their shards are gathered first."""
+    if not result.gather_ops or not targets:
+        return []
+    handles = {var.outputs[0]: var for var in result.gather_ops}
+    read = []
+    for op in ancestors(targets):
+        if op.type != "ReadVariableOp" or op in result.view.step_ops:
+            continue
+        var = handles.get(op.inputs[0])
+        if var is not None and var not in read:
+            read.append(var)
+    return sorted(read, key=lambda v: v._id)
+
+
 def _fetch_key(fetches):
     """A cache key for a fetch structure: its shape and the identity of its leaves."""
     leaves = _leaves(fetches)
@@ -142,6 +160,8 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if result.gradient_check is not None and result.gradient_check_max_diff is None \
             and plan.trains:
         _check_gradients(self, result, feed_dict)
+    if plan.gather:
+        _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather))
     values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
                                                       run_metadata))
     if plan.sync:
