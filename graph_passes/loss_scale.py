@@ -69,8 +69,13 @@ class LossScalePass(GraphPass):
         replicas = len(replication.gradients[0][1]) if replication.gradients else 0
         with tf.device(ctx.cluster.host_device), tf.name_scope(SCOPE):
             inverse = 1.0 / amp.scale
+        replicas = max(replicas, 1)
         counts = [[] for _ in range(replicas)]
-        for _, grads, _ in replication.gradients:
+        # split variables have one gradient (computed with every replica's loss): replica 0's
+        entries = list(replication.gradients) + [
+            (var, [grad] + [None] * (replicas - 1), None)
+            for var, grad in replication.split_gradients]
+        for _, grads, _ in entries:
             for k, grad in enumerate(grads):
                 if grad is None:
                     continue

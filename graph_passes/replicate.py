@@ -117,6 +117,9 @@ class Replication:
     backward_ops: dict = dataclasses.field(default_factory=dict)
     loss_copies: dict = dataclasses.field(default_factory=dict)
     presummed: bool = False
+    # split TaskGraphs: (variable op, its one gradient) of every split variable
+    # (not reduced over replicas; summed over workers when there are several)
+    split_gradients: list = dataclasses.field(default_factory=list)
 
 
 def _select_checkpoints(view, config) -> dict:
@@ -269,8 +272,9 @@ class ReplicatePass(GraphPass):
             problems.append('communication.gradients_reduce_method "sum"')
         if len(view.steps) != 1:
             problems.append(f"{len(view.steps)} optimizer steps (one is supported)")
-        if any(step.gradient_kwargs.get("grad_loss") is not None for step in view.steps):
-            problems.append("compute_gradients(grad_loss=...)")
+        grad_loss = [step.gradient_kwargs.get("grad_loss") for step in view.steps]
+        if any(g is not None and tf.convert_to_tensor(g).shape.rank != 0 for g in grad_loss):
+            problems.append("compute_gradients(grad_loss=...) with a non-scalar grad_loss")
         if problems:
             raise ParallelizeError(
                 f"split TaskGraph(s) {names} cannot be combined with: {'; '.join(problems)}. "
@@ -341,9 +345,12 @@ class ReplicatePass(GraphPass):
         loss_copies = {(k, 0): [forward_copies[(k, 0)][t.op].outputs[t.value_index]
                                 for t in view.losses if t.op in forward_copies[(k, 0)]]
                        for k in range(plan.num_replicas)}
+        split_gradients = [(var, grad) for (_, var), grad in zip(view.gradients, gradients[0])
+                           if var in split_vars and grad is not None]
         ctx.artifacts[self.name] = Replication(per_gradient, weights, merged, sync_ops, mirrors,
                                                replica_maps, 1, forward_copies,
-                                               {(0, 0): backward}, loss_copies, presummed=True)
+                                               {(0, 0): backward}, loss_copies, presummed=True,
+                                               split_gradients=split_gradients)
         added = [op.name for op in graph.get_operations() if op not in before]
         op_map = {op.name: [forward_copies[u][op].name for u in sorted(forward_copies)]
                   for op in forward}
@@ -415,7 +422,8 @@ class ReplicatePass(GraphPass):
             gradient_fn = functools.partial(recompute.checkpointed_gradients,
                                             checkpoints=checkpoints)
         grads = gradient_fn(
-            objective, targets, gate_gradients=gate == tf.compat.v1.train.Optimizer.GATE_OP,
+            objective, targets, grad_ys=kwargs.get("grad_loss"),   # a scalar (AMP's loss scale)
+            gate_gradients=gate == tf.compat.v1.train.Optimizer.GATE_OP,
             aggregation_method=kwargs.get("aggregation_method"), colocate_gradients_with_ops=True)
         if gate == tf.compat.v1.train.Optimizer.GATE_GRAPH:
             grads = tf.tuple(grads)

@@ -58,7 +58,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
-from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind
+from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
@@ -140,15 +140,11 @@ def _check(view, config) -> list:
 
     Raises ParallelizeError naming what ZeRO cannot shard, why, and the fix.
     """
-    split = [tg.spec for tg in view.taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
-    if split:
-        raise ParallelizeError(
-            f"zero.level 'v1' cannot be combined with {split[0].describe()}: a split "
-            "variable is already sharded over the devices of its TaskGraph and is not "
-            "reduced over replicas, so ZeRO has no replicated state to shard. Turn ZeRO off "
-            "for this model (zero.level '') or use epl.replicate for every part.")
     entries = []
+    split_vars = set(getattr(view, "split_variables", []))
     for grad, var in view.gradients:
+        if var in split_vars:  # epl.split variables are sharded already (not replicated)
+            continue
         if isinstance(grad, tf.IndexedSlices):
             raise ParallelizeError(
                 f"zero.level 'v1' cannot shard the sparse gradient of {var.name} (an embedding "
@@ -212,8 +208,12 @@ class ZeroPass(GraphPass):
             return PassResult(notes=["one data-parallel replica: nothing to shard"])
         rank = comm.cross.rank if comm.cross is not None else 0
         entries = ctx.artifacts.get("zero_entries") or _check(ctx.view, ctx.config)
+        split_vars = set(ctx.view.split_variables)   # already sharded by epl.split: left alone
+        entries = [entry for entry in entries if entry[1] not in split_vars]
         grads_of = {var: grads for var, grads, _ in replication.gradients}
         method = ctx.config.get("communication.gradients_reduce_method")
+        if replication.presummed:  # split models: gradients already weighted by batch share
+            method = "sum"
         before = set(graph.get_operations())
         result = ZeroSharding({}, {}, {}, total)
         slot_shards: dict = {}  # slot op -> [shard var per replica]

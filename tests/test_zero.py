@@ -7,16 +7,14 @@ optimizer slots) and losses as single-device training.
 from __future__ import annotations
 
 import json
-import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import epl
-from epl.errors import ParallelizeError, PassError
-from epl.ir.annotations import StrategyKind, StrategySpec
-from graph_passes.zero import _check, optimizer_state_bytes
+from epl.errors import PassError
+from graph_passes.zero import optimizer_state_bytes
 
 STEPS = 5
 TIMEOUT = {"communication.collective_timeout_s": 60}  # a bug fails fast instead of hanging
@@ -84,18 +82,6 @@ def test_zero_with_gradient_clipping_is_refused(epl_env):
     assert message.endswith("ZeRO reduce-scatters each gradient, so no replica ever holds the "
                             "whole reduced gradient that a global norm needs. Remove the gradient "
                             "processing, or turn ZeRO off (zero.level '').")
-
-
-def test_zero_with_split_is_refused():
-    spec = StrategySpec(StrategyKind.SPLIT, 2, "experts")
-    view = types.SimpleNamespace(taskgraphs=[types.SimpleNamespace(spec=spec)], gradients=[])
-    with pytest.raises(ParallelizeError) as err:
-        _check(view, None)
-    assert str(err.value) == (
-        "zero.level 'v1' cannot be combined with epl.split(device_count=2, name='experts'): a "
-        "split variable is already sharded over the devices of its TaskGraph and is not reduced "
-        "over replicas, so ZeRO has no replicated state to shard. Turn ZeRO off for this model "
-        "(zero.level '') or use epl.replicate for every part.")
 
 
 def test_zero_with_reference_variables_is_refused(models, epl_env):
