@@ -20,7 +20,8 @@ from graph_passes import verify
 from tools import epl_dump
 
 VARIABLE_TYPES = ("VarHandleOp", "VariableV2")
-PIPELINE = ["annotate", "replicate", "schedule", "gradient_comm", "apply_groups", "verify"]
+PIPELINE = ["annotate", "amp", "replicate", "schedule", "zero", "gradient_comm", "apply_groups",
+            "loss_scale", "offload", "verify"]
 
 
 def _replica(op) -> int | None:
