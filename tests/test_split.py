@@ -428,3 +428,19 @@ def test_split_with_memory_features(config):
         if "amp.level" in config else {}
     _, _, graph = assert_oracle(classifier(400), config, optimizer="adam", **amp)
     assert graph_state(graph).splits[0].variables["classifier/kernel"].sizes == (100,) * 4
+
+
+def test_planner_sees_the_split_part():
+    """epl-plan's model of a split graph: the classifier is the split part, sharded by class."""
+    from epl.planner.planner import model_from_graph
+    env.reset()
+    epl.init(epl.Config({}))
+    with tf.Graph().as_default() as graph:
+        loss, _ = classifier(4000)()
+        tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss)
+        model = model_from_graph(graph, epl.parallelize(graph).view)
+    assert model.split_units == 4000
+    split = [layer for layer in model.layers if layer.split_parameter_bytes]
+    assert [layer.name for layer in split] == ["classifier"]
+    assert split[0].split_parameter_bytes == (16 * 4000 + 4000) * 4
+    assert split[0].split_flops_per_example >= 3 * 2 * 16 * 4000   # fwd + 2 bwd matmuls

@@ -407,8 +407,12 @@ def model_from_graph(graph: Any, view: Any = None,
         graph, variables, "sgd", group_fn=group_fn, checkpointing=ck,
         amp_dtype=amp_dtype, phase_fn=phase_fn, unknown_dim=u)
         for u in (1, 2)}, batch) for ck in (False, True)}
-    layers = tuple(_graph_layer(key, stage, costs, memory)
+    split_names = {tg.name for tg in getattr(view, "split_taskgraphs", [])} \
+        if view is not None else set()
+    layers = tuple(_graph_split_layer(key, costs, memory) if key in split_names
+                   else _graph_layer(key, stage, costs, memory)
                    for stage, key in enumerate(order))
+    split_units = _split_dimension(graph, split_names)
     exact = all(c.exact for c in costs.values[1].values())
     notes = [] if exact else ["some shapes or op types were not known to "
                               "the cost model; figures are estimates"]
@@ -418,7 +422,40 @@ def model_from_graph(graph: Any, view: Any = None,
     dtype = normalize_dtype(amp_dtype) if amp_dtype else "float32"
     return ModelSpec(name=name, layers=layers, compute_dtype=dtype,
                      batch_size=batch, exact=exact, notes=tuple(notes),
-                     optimizer=infer_optimizer(graph))
+                     optimizer=infer_optimizer(graph), split_units=split_units)
+
+
+def _graph_split_layer(key: Hashable, costs: _Measure,
+                       memory: Mapping[bool, _Measure]) -> LayerSpec:
+    """The LayerSpec of a split TaskGraph (epl.split): all of it is the split part.
+
+    Its FLOPs and bytes are summed over the shards (each device does its
+    shard's share for every example), its parameters are the whole of the
+    sharded variables.
+    """
+    fwd, bwd = (key, cm.FORWARD), (key, cm.BACKWARD)
+    return LayerSpec(
+        name=str(key),
+        split_flops_per_example=costs.per_example(fwd, "flops")
+        + costs.per_example(bwd, "flops"),
+        split_bytes_per_example=costs.per_example(fwd, "bytes")
+        + costs.per_example(bwd, "bytes"),
+        split_activation_bytes_per_example=memory[False].per_example(
+            key, "activations"),
+        split_parameter_bytes=_field(memory[False].values[1].get(key),
+                                     "parameters"))
+
+
+def _split_dimension(graph: Any, split_names: set) -> int:
+    """Units of the split dimension (the smallest over the split TaskGraphs):
+    the full extent of the axis the split pass sharded (classes, experts)."""
+    if not split_names:
+        return 0
+    from epl.ir.taskgraph import graph_state
+    state = graph_state(graph, create=False)
+    extents = [sum(v.sizes) for record in (state.splits if state else [])
+               if record.taskgraph in split_names for v in record.variables.values()]
+    return min(extents) if extents else 0
 
 
 def _graph_layer(key: Hashable, stage: int, costs: _Measure,
@@ -456,7 +493,8 @@ def _group_functions(graph: Any, view: Any
             phase = phase_of.get(op)
             return phase.value if phase is not None else cm.OTHER
 
-        return group_fn, phase_fn, [tg.name for tg in view.taskgraphs]
+        return group_fn, phase_fn, [tg.name for tg in view.taskgraphs] + [
+            tg.name for tg in getattr(view, "split_taskgraphs", [])]
     order: list[Hashable] = []
     for op in graph.get_operations():
         key = cm.taskgraph_of(op)
