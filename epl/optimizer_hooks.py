@@ -83,11 +83,21 @@ def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
     from graph_passes.split import SplitPass, SplitPlan
     config = get_config()
     cluster = local_cluster(config)
+    from epl.parallel import make_communicator
     _, devices = split_layout(state.taskgraphs, cluster,
                               bool(config.get("cluster.colocate_split_and_replicate")))
-    plans = {name: SplitPlan(tuple(devs), _tuple(local_shard_weights(cluster, config, devs)))
-             for name, devs in devices.items()}
-    ctx = PassContext(config, None, cluster, None, None,
+    plans = {}
+    for taskgraph in state.taskgraphs:
+        devs = devices.get(taskgraph.name)
+        if devs is None:
+            continue
+        if taskgraph.spec.device_count > len(devs):   # the group spans every worker (even shards)
+            plans[taskgraph.name] = SplitPlan(tuple(devs), None, cluster.worker_rank * len(devs),
+                                              taskgraph.spec.device_count)
+        else:
+            plans[taskgraph.name] = SplitPlan(
+                tuple(devs), _tuple(local_shard_weights(cluster, config, devs)))
+    ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
                       artifacts={"split_loss": loss, "split_plans": plans})
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):

@@ -31,7 +31,8 @@ class ShardedVariable:
     name: the full variable's name (what checkpoints use).
     full_shape: the logical shape.
     axis: the axis the shards cut.
-    sizes: each shard's extent along `axis` (they sum to full_shape[axis]).
+    sizes: each shard's extent along `axis` (they sum to full_shape[axis],
+      unless the split group spans workers: then these are this worker's).
     shards: the shard variables, in order (shard j on devices[j]).
     """
 
@@ -40,15 +41,7 @@ class ShardedVariable:
     axis: int
     sizes: tuple
     shards: list
-
-    @property
-    def offsets(self) -> list[int]:
-        """Where each shard starts along `axis`."""
-        out, total = [], 0
-        for size in self.sizes:
-            out.append(total)
-            total += size
-        return out
+    offsets: tuple = ()   # where each shard starts along `axis`
 
 
 def shard_sizes(dim: int, count: int, weights=None, what: str = "dimension",
@@ -110,17 +103,22 @@ def _replace_in_collections(graph: tf.Graph, old, new: list) -> None:
 
 
 def shard_existing(variable, axis: int, sizes: list[int], devices: list[str],
-                   host_device: str, attrs: dict) -> ShardedVariable:
+                   host_device: str, attrs, offsets: list[int] | None = None) -> ShardedVariable:
     """Replace `variable` (a full tf.Variable) by shards along `axis` on `devices`.
 
     Shard j's initial value is slice j of the full variable's initial value
-    (computed on `host_device`); `attrs` (TaskGraph, slot) are set on the ops.
+    (computed on `host_device`); `attrs(j)` (TaskGraph, slot) are set on the
+    ops. offsets: where each shard starts along `axis` (default: one after the
+    other from 0; a split group spanning workers holds only its own shards,
+    which start further on).
     """
     graph = variable.graph
     full_shape = tuple(variable.shape.as_list())
     full_name = variable.op.name
-    shards, offset = [], 0
-    for j, (size, device) in enumerate(zip(sizes, devices)):
+    if offsets is None:
+        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    shards = []
+    for j, (size, device, offset) in enumerate(zip(sizes, devices, offsets)):
         begin, extent = _shard_slice(full_shape, axis, offset, size)
         with graph._attr_scope(attrs(j)):
             with tf.device(host_device), graph.name_scope(None):
@@ -133,6 +131,5 @@ def shard_existing(variable, axis: int, sizes: list[int], devices: list[str],
                     use_resource=variable.op.type == "VarHandleOp", collections=[])
         _set_slice_info(shard, full_name, full_shape, begin, extent)
         shards.append(shard)
-        offset += size
     _replace_in_collections(graph, variable, shards)
-    return ShardedVariable(full_name, full_shape, axis, tuple(sizes), shards)
+    return ShardedVariable(full_name, full_shape, axis, tuple(sizes), shards, tuple(offsets))

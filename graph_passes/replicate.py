@@ -297,10 +297,14 @@ class ReplicatePass(GraphPass):
         weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
         mirrors = self._mirror_variables(view, plan)
         first_stage = view.taskgraphs[0]
-        boundary = SplitBoundary(view, plan, weights, graph_state(graph).splits,
+        records = graph_state(graph).splits
+        spanning = {r.taskgraph for r in records if r.spans_workers}  # groups over every worker
+        boundary = SplitBoundary(view, plan, weights, records,
                                  lambda k: plan.device(first_stage, k))
         inputs = dict(slices)
-        inputs.update(boundary.outputs_to_replicas(forward))
+        outputs = boundary.outputs_to_replicas(forward)
+        _refuse_spanning_outputs(view, outputs, spanning)
+        inputs.update(outputs)
         forward_copies = {}
         for k in range(plan.num_replicas):
             forward_copies[(k, 0)] = self._copy_forward(view, plan, (k, 0), 1, forward, inputs,
@@ -311,7 +315,9 @@ class ReplicatePass(GraphPass):
         checkpoints = ctx.artifacts.get("checkpoints") or _select_checkpoints(view, ctx.config)
         kept = _checkpoint_copies(checkpoints.get(id(step), []), forward_copies,
                                   plan.num_replicas)
-        multi_worker = ctx.communicator.num_workers > 1
+        # a loss computed by a split group over every worker is already the global mean
+        multi_worker = ctx.communicator.num_workers > 1 and \
+            view.taskgraph_of[step.loss.op].name not in spanning
         gradients, backward = self._global_gradients(view, plan, step, forward_copies, weights,
                                                      mirrors, multi_worker, kept)
         if kept and ctx.config.get("gradient_checkpoint.check_gradients"):
@@ -335,11 +341,14 @@ class ReplicatePass(GraphPass):
         units = [forward_copies[(k, 0)] for k in range(plan.num_replicas)]
         merged = self._merge_fetches(graph, view, units, weights, devices, ctx.communicator)
         cross = ctx.communicator.cross
-        if cross is not None:  # the split TaskGraphs are data-parallel across workers
-            self._reduce_split_gradients_over_workers(view, gradients[0], cross)
-            merged.update(_merge_split_losses(view, units, weights, cross))
-        sync_ops = self._sync_ops({**mirrors, **{v: [v] for v in view.split_variables}},
-                                  ctx.communicator)
+        local_split = [v for v in view.split_variables
+                       if view.taskgraph_of[v].name not in spanning]
+        if cross is not None:  # split groups within a worker are data-parallel across workers
+            self._reduce_split_gradients_over_workers(view, gradients[0], cross, set(local_split))
+            merged.update(_merge_split_losses(view, units, weights, cross, spanning))
+        # every worker holds the same shards of a group within a worker: broadcast them;
+        # a group over every worker holds different shards on each
+        sync_ops = self._sync_ops({**mirrors, **{v: [v] for v in local_split}}, ctx.communicator)
         per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)], grad)
                         for i, (grad, var) in enumerate(view.gradients) if var not in split_vars]
         loss_copies = {(k, 0): [forward_copies[(k, 0)][t.op].outputs[t.value_index]
@@ -361,12 +370,11 @@ class ReplicatePass(GraphPass):
         return PassResult(added=added, op_map=op_map, notes=notes)
 
     @staticmethod
-    def _reduce_split_gradients_over_workers(view, gradients, cross) -> None:
-        """Every worker holds all shards of a split TaskGraph (the split group is
-        the worker's devices): sum each shard's gradient over the workers (its
-        gradient is already weighted by the worker's batch share) and make its
-        update read the sum; sparse gradients are gathered."""
-        split_vars = set(view.split_variables)
+    def _reduce_split_gradients_over_workers(view, gradients, cross, split_vars: set) -> None:
+        """Every worker holds all shards of a split group within a worker: sum
+        each shard's gradient (of `split_vars`) over the workers (it is already
+        weighted by the worker's batch share) and make its update read the sum;
+        sparse gradients are gathered."""
         with tf.name_scope("EPL_SPLIT_WORKERS"):
             for (_, var), grad in zip(view.gradients, gradients):
                 if var not in split_vars or grad is None:
@@ -940,13 +948,28 @@ def _checkpoint_copies(template: list, forward_copies: dict, replicas: int) -> l
     return kept
 
 
-def _merge_split_losses(view, units, weights, cross) -> dict:
-    """A loss computed by split ops covers this worker's batch: the fetched value
-    is the mean over every worker's batch (each weighted by its share)."""
+def _refuse_spanning_outputs(view, outputs: dict, spanning: set) -> None:
+    """A split group over every worker must end in the loss (its values cover the
+    global batch, which no replica reads back)."""
+    bad = [t for t in outputs if view.taskgraph_of[t.op].name in spanning]
+    if bad:
+        raise ParallelizeError(
+            f"the split group(s) {sorted(spanning)} span every worker, and replicated ops read "
+            f"their result(s) {', '.join(t.name for t in bad[:5])}: across workers a split "
+            "group must compute the loss itself (e.g. a classifier with its softmax "
+            "cross-entropy and mean inside the split scope). Move those ops into the split "
+            "scope, or use a split group within one worker.")
+
+
+def _merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
+    """A loss computed by a split group within a worker covers this worker's
+    batch: the fetched value is the mean over every worker's batch (each
+    weighted by its share). A group over every worker computed the global
+    mean already."""
     merged = {}
     with tf.name_scope("EPL_MERGED"):
         for loss in view.losses:
-            if loss.op in units[0]:
+            if loss.op in units[0] or view.taskgraph_of[loss.op].name in spanning:
                 continue
             with tf.device(loss.device):
                 share = tf.add_n([tf.cast(w, loss.dtype) for w in weights])

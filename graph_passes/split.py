@@ -60,7 +60,7 @@ import tensorflow as tf
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind
-from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs
 from epl.ir.clone import replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.sharded_variable import SHARD_ATTR, shard_existing, shard_sizes
@@ -114,14 +114,35 @@ KEEP = object()  # a rule's answer: leave the op as it is (all of its inputs sta
 
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
-    """Where one split TaskGraph goes: its devices and each device's share."""
+    """Where one split TaskGraph goes: this worker's devices and each slot's share.
+
+    A split group may span workers: it then has `num_slots` slots in all,
+    this worker holding slots first_slot .. first_slot + len(devices) - 1.
+    """
 
     devices: tuple
-    weights: tuple | None = None   # None: even shards
+    weights: tuple | None = None   # None: even shards (else one weight per slot)
+    first_slot: int = 0
+    num_slots: int | None = None   # None: len(devices) (the group is this worker's)
+
+    @property
+    def spans_workers(self) -> bool:
+        """True when other workers hold some of the group's slots."""
+        return (self.num_slots or len(self.devices)) > len(self.devices)
+
+    def _all_sizes(self, dim: int, what: str, must_divide: bool) -> list[int]:
+        return shard_sizes(dim, self.num_slots or len(self.devices), self.weights, what,
+                           must_divide)
 
     def sizes(self, dim: int, what: str, must_divide: bool = False) -> list[int]:
-        """Extents of `dim` over the devices (see epl.sharded_variable.shard_sizes)."""
-        return shard_sizes(dim, len(self.devices), self.weights, what, must_divide)
+        """Extents of `dim` on this worker's slots (see epl.sharded_variable.shard_sizes)."""
+        sizes = self._all_sizes(dim, what, must_divide)
+        return sizes[self.first_slot:self.first_slot + len(self.devices)]
+
+    def offsets(self, dim: int) -> list[int]:
+        """Where this worker's slots start along a dimension of `dim` entries."""
+        sizes = self._all_sizes(dim, "dimension", False)
+        return [sum(sizes[:self.first_slot + j]) for j in range(len(self.devices))]
 
 
 @dataclasses.dataclass
@@ -156,6 +177,11 @@ class SplitRecord:
     replaced: set = dataclasses.field(default_factory=set)
     ops: list = dataclasses.field(default_factory=list)
     fallbacks: list = dataclasses.field(default_factory=list)
+
+    @property
+    def spans_workers(self) -> bool:
+        """The split group spans several workers (each holds some shards)."""
+        return self.plan.spans_workers
 
 
 # --------------------------------------------------------------------------
@@ -192,8 +218,9 @@ class _Rewriter:
     """Rewrites one split TaskGraph's ops; the rules call back into it."""
 
     def __init__(self, graph: tf.Graph, taskgraph: str, plan: SplitPlan, host: str,
-                 record: SplitRecord, variables: dict):
+                 record: SplitRecord, variables: dict, cross=None):
         self.graph = graph
+        self.cross = cross if plan.spans_workers else None   # Horovod, for a spanning group
         self.variables = variables  # variable op -> tf.Variable, created in the TaskGraph
         self.taskgraph = taskgraph
         self.plan = plan
@@ -226,6 +253,74 @@ class _Rewriter:
                 tf.name_scope(f"{name}/EPL_SPLIT_GATHER/"):
             yield
 
+    def offsets(self, sizes, full: int) -> list[int]:
+        """Global start of each local slot along a dimension of `full` entries."""
+        if self.cross is None:
+            return [sum(sizes[:j]) for j in range(len(sizes))]
+        return self.plan.offsets(full)
+
+    def sum_slots(self, parts: list, name: str) -> tf.Tensor:
+        """Sum over every slot of the group (local add, then over the workers).
+
+        Across workers the result feeds a loss every worker computes alike, so
+        the gradient of each worker's part is the gradient of the sum (identity),
+        not its sum over the workers (Horovod's allreduce gradient).
+        """
+        with self.gathering(name):
+            local = tf.add_n(parts) if len(parts) > 1 else parts[0]
+            if self.cross is None:
+                return local
+            cross = self.cross
+
+            @tf.custom_gradient
+            def replicated_sum(x):
+                return cross.all_reduce(x, "sum"), lambda dy: dy
+            return replicated_sum(local)
+
+    def max_slots(self, parts: list, name: str) -> tf.Tensor:
+        """Max over every slot of the group (no gradient: used for stability only)."""
+        with self.gathering(name):
+            local = tf.stop_gradient(tf.reduce_max(tf.stack(parts), axis=0))
+            if self.cross is None:
+                return local
+            from epl.runtime.horovod_comm import horovod
+            return tf.stop_gradient(horovod().allreduce(local, op=horovod().Max))
+
+    def gather_batch(self, tensor: tf.Tensor) -> tf.Tensor:
+        """Every worker's rows of a batch tensor (rank order), for a spanning group.
+
+        Its gradient sums every worker's gradient and keeps this worker's rows
+        (Horovod's own allgather gradient averages, which assumes each worker
+        has its own loss; here every worker computes the same global loss).
+        """
+        key = ("batch", tensor)
+        if key in self._full_cache:
+            return self._full_cache[key]
+        cross = self.cross
+
+        @tf.custom_gradient
+        def gathered(x):
+            def grad(dy):
+                total = cross.all_reduce(dy, "sum")
+                rows = tf.shape(x)[:1]
+                counts = cross.all_gather(rows)
+                start = tf.reduce_sum(counts[:cross.rank])
+                return total[start:start + rows[0]]
+            return cross.all_gather(x), grad
+        with self.gathering(tensor.op.name):
+            result = gathered(tensor)
+        self._full_cache[key] = result
+        return result
+
+    def _refuse_across_workers(self, what: str) -> None:
+        if self.cross is not None:
+            raise ParallelizeError(
+                f"epl.split over {self.plan.num_slots} devices spans several workers, and {what}; "
+                "across workers EPL splits dense layers (column and row), their biases and "
+                "elementwise ops, and the softmax cross-entropy over split logits, computed "
+                "into a loss inside the split scope. Put that op outside the split scope, or "
+                "use a split group within one worker (device_count <= its devices).")
+
     # -- layouts ---------------------------------------------------------------
     def value(self, layout, tensor: tf.Tensor) -> tf.Tensor:
         """The full value of an input (gathering a sharded or partial one)."""
@@ -240,13 +335,15 @@ class _Rewriter:
             sharded = self.sharded.get(layout.variable.op)
             if sharded is None:
                 return layout.read
+            self._refuse_across_workers(f"variable {sharded.name} would have to be gathered whole")
             parts = [shard.value() for shard in sharded.shards]
             result = self._concat(parts, sharded.axis, tensor)
         elif isinstance(layout, Sharded):
+            self._refuse_across_workers(f"{tensor.name} (sharded) is read where the whole tensor "
+                                        "is needed, so it would have to be gathered whole")
             result = self._concat(layout.parts, layout.axis, tensor)
         else:
-            with self.gathering(tensor.op.name):
-                result = tf.add_n(layout.parts)
+            result = self.sum_slots(layout.parts, tensor.op.name)
         self._full_cache[key] = result
         return result
 
@@ -272,12 +369,13 @@ class _Rewriter:
         if sizes is None:
             sizes = self.plan.sizes(int(dim), what or f"dimension {axis} of variable "
                                     f"{var.op.name} (shape {var.shape.as_list()})", must_divide)
-        elif sum(sizes) != dim:
+        elif (sum(sizes) != dim if self.cross is None else
+              list(sizes) != self.plan.sizes(int(dim), "dimension")):
             raise ParallelizeError(
                 f"variable {var.op.name} (shape {var.shape.as_list()}) must be split along axis "
                 f"{axis} into {list(sizes)} to match its input, but that axis has {dim} entries.")
         sharded = shard_existing(var, axis, list(sizes), list(self.plan.devices), self.host,
-                                 lambda j: self.attrs(j))
+                                 lambda j: self.attrs(j), self.offsets(list(sizes), int(dim)))
         self.sharded[var.op] = sharded
         self.record.variables[sharded.name] = sharded
         if pending.read.dtype != tf.resource:
@@ -294,8 +392,9 @@ class _Rewriter:
     def slice(self, tensor: tf.Tensor, axis: int, sizes) -> Sharded:
         """Slot j's slice of a full tensor along `axis` (a dispatch slice)."""
         rank = tensor.shape.rank
-        parts, offset = [], 0
-        for j, size in enumerate(sizes):
+        parts = []
+        offsets = self.offsets(list(sizes), int(tensor.shape[axis]))
+        for j, (size, offset) in enumerate(zip(sizes, offsets)):
             begin = [0] * rank
             extent = [-1] * rank
             begin[axis], extent[axis] = offset, size
@@ -303,15 +402,22 @@ class _Rewriter:
                 part = tf.slice(tensor, begin, extent)
             self.record.slicers[part] = Slicer(tensor, axis, offset, size, j)
             parts.append(part)
-            offset += size
         return Sharded(parts, axis, tuple(sizes))
 
     # -- the walk ------------------------------------------------------------
-    def run(self, ops: list[tf.Operation]) -> None:
+    def run(self, ops: list[tf.Operation], batch_derived: set = frozenset()) -> None:
+        """Rewrite the region's ops (creation order). batch_derived: ops computed
+        from the examples (a spanning group reads every worker's rows of them)."""
         variables = self.variables
+        region = set(ops)
         for op in ops:
             if op.type in VARIABLE_OP_TYPES:
                 continue
+            if self.cross is not None:
+                for index, tensor in enumerate(list(op.inputs)):
+                    if tensor.op not in region and tensor.op in batch_derived \
+                            and tensor.shape.rank:
+                        op._update_input(index, self.gather_batch(tensor))
             pending_var = _variable_read(op, variables)
             if pending_var is not None:
                 self.layouts[op.outputs[0]] = Pending(pending_var, op.outputs[0])
@@ -342,6 +448,9 @@ class _Rewriter:
         gathered = [t for t, layout in zip(op.inputs, layouts)
                     if isinstance(layout, Sharded)
                     or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+        if gathered:
+            self._refuse_across_workers(
+                f"op {op.name} (type {op.type}) has no split rule for its sharded input(s)")
         first = len(self.graph.get_operations())
         for index, (tensor, layout) in enumerate(zip(list(op.inputs), layouts)):
             if layout is not None and not (isinstance(layout, Pending)
@@ -534,8 +643,9 @@ def _unary(rw: _Rewriter, op, layouts):
     return None
 
 
-def _operand_for(rw, layout, tensor, out_axis, out_rank, sizes):
-    """Slot parts of one operand of a broadcasting op whose output is sharded on out_axis."""
+def _operand_for(rw, layout, tensor, out_axis, out_rank, sizes, full):
+    """Slot parts of one operand of a broadcasting op whose output is sharded on out_axis
+    (`full` entries in all, `sizes` of them on this worker's slots)."""
     if isinstance(layout, Sharded):
         axis = out_axis - (out_rank - tensor.shape.rank)
         return layout.parts if layout.axis == axis and layout.sizes == sizes else None
@@ -545,7 +655,7 @@ def _operand_for(rw, layout, tensor, out_axis, out_rank, sizes):
     if axis < 0 or tensor.shape[axis] == 1:                 # broadcast along the split axis
         value = rw.value(layout, tensor)
         return [value] * rw.k
-    if tensor.shape[axis] != sum(sizes):
+    if tensor.shape[axis] != full:
         return None
     if isinstance(layout, Pending):
         return _as_sharded(rw, layout, tensor, axis, sizes).parts
@@ -566,8 +676,11 @@ def _binary(rw: _Rewriter, op, layouts):
     if out_rank is None or source.shape.rank is None:
         return None
     out_axis = sharded.axis + (out_rank - source.shape.rank)
-    px = _operand_for(rw, lx, x, out_axis, out_rank, sharded.sizes)
-    py = _operand_for(rw, ly, y, out_axis, out_rank, sharded.sizes)
+    full = source.shape[sharded.axis]
+    if full is None:
+        return None
+    px = _operand_for(rw, lx, x, out_axis, out_rank, sharded.sizes, full)
+    py = _operand_for(rw, ly, y, out_axis, out_rank, sharded.sizes, full)
     if px is None or py is None:
         return None
     return [Sharded(_clone_on_slots(rw, op, lambda j: [px[j], py[j]]), out_axis, sharded.sizes)]
@@ -601,7 +714,7 @@ def _reshape(rw: _Rewriter, op, layouts):
         return KEEP if all(_is_full(l) for l in layouts) else None
     out_shape = op.outputs[0].shape
     if out_shape.rank is None or x.shape.rank is None or lx.axis != x.shape.rank - 1 \
-            or out_shape[-1] != sum(lx.sizes):
+            or out_shape[-1] != x.shape[-1]:
         return None
     lead = [-1 if d is None else int(d) for d in out_shape.as_list()[:-1]]
     if lead.count(-1) > 1:
@@ -616,6 +729,7 @@ def _reshape(rw: _Rewriter, op, layouts):
 @rule("GatherV2", "ResourceGather")
 def _embedding(rw: _Rewriter, op, layouts):
     """Vocabulary-split table: each id is looked up on the shard that owns it."""
+    rw._refuse_across_workers(f"the embedding lookup {op.name} would need every worker's ids")
     if op.type == "ResourceGather":
         variable = _handle_input(op, rw.variables)
         if variable is None or op.get_attr("batch_dims") != 0:
@@ -679,15 +793,14 @@ def _softmax_parts(rw: _Rewriter, op, logits: Sharded):
     for j in range(rw.k):
         with rw.on(j):
             maxes.append(tf.reduce_max(logits.parts[j], axis=-1))
-    with rw.gathering(op.name):
-        top = tf.stop_gradient(tf.reduce_max(tf.stack(maxes), axis=0))   # all-reduce (max)
+    top = rw.max_slots(maxes, op.name)                                  # all-reduce (max)
     sums = []
     for j in range(rw.k):
         with rw.on(j):
             sums.append(tf.reduce_sum(tf.exp(logits.parts[j] - top[..., None]), axis=-1))
+    total = rw.sum_slots(sums, op.name)                                 # all-reduce (sum)
     with rw.gathering(op.name):
-        log_sum = tf.math.log(tf.add_n(sums)) + top                     # all-reduce (sum)
-    return log_sum
+        return tf.math.log(total) + top
 
 
 @rule("SparseSoftmaxCrossEntropyWithLogits")
@@ -700,15 +813,16 @@ def _sparse_softmax_ce(rw: _Rewriter, op, layouts):
         return None
     labels_value = rw.value(lab, labels)
     log_sum = _softmax_parts(rw, op, ll)
-    picked, offset = [], 0
+    picked = []
+    offsets = rw.offsets(list(ll.sizes), int(logits.shape[-1]))
     for j in range(rw.k):
         with rw.on(j):
-            local = tf.cast(labels_value, tf.int64) - offset
+            local = tf.cast(labels_value, tf.int64) - offsets[j]
             onehot = tf.one_hot(local, ll.sizes[j], dtype=ll.parts[j].dtype)  # 0 where not owned
             picked.append(tf.reduce_sum(onehot * ll.parts[j], axis=-1))
-        offset += ll.sizes[j]
+    label_logit = rw.sum_slots(picked, op.name)
     with rw.gathering(op.name):
-        loss = log_sum - tf.add_n(picked)
+        loss = log_sum - label_logit
     return [Full(loss), None]
 
 
@@ -729,8 +843,9 @@ def _softmax_ce(rw: _Rewriter, op, layouts):
         with rw.on(j):
             label_mass.append(tf.reduce_sum(sl.parts[j], axis=-1))
             label_logit.append(tf.reduce_sum(sl.parts[j] * ll.parts[j], axis=-1))
+    mass, picked = rw.sum_slots(label_mass, op.name), rw.sum_slots(label_logit, op.name)
     with rw.gathering(op.name):
-        loss = log_sum * tf.add_n(label_mass) - tf.add_n(label_logit)
+        loss = log_sum * mass - picked
     return [Full(loss), None]
 
 
@@ -770,10 +885,15 @@ class SplitPass(GraphPass):
                 continue
             variables = _region_variables(graph, tagged)
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
+            cross = ctx.communicator.cross if ctx.communicator is not None else None
             rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
-                                 variables)
+                                 variables, cross)
+            batch_derived = set()
+            if rewriter.cross is not None:
+                batch_inputs, _ = find_batch_inputs(path)
+                batch_derived = descendants(batch_inputs) | {t.op for t in batch_inputs}
             with graph.name_scope(None), graph.control_dependencies(None):
-                rewriter.run(region)
+                rewriter.run(region, batch_derived)
                 rewriter.finish(set(region))
             for variable_op, sharded in rewriter.sharded.items():
                 variable_op._set_attr(REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))

@@ -78,3 +78,30 @@ def test_split_taskgraph_with_two_workers_matches_single_device(tmp_path, optimi
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         np.testing.assert_allclose(record["losses"], record["ref_losses"], rtol=1e-5)
         assert max(record["errors"].values()) < 1e-5, record["errors"]
+
+
+@pytest.mark.parametrize("optimizer,sizes", [("sgd", "8,8"), ("adam", "12,4")])
+def test_split_group_spanning_two_workers_matches_single_device(tmp_path, optimizer, sizes):
+    """epl.split(4) over 2 workers x 2 devices: each worker holds half of the classifier."""
+    result = _horovodrun("split_worker.py", optimizer, sizes, str(tmp_path), "4")
+    assert result.returncode == 0, _errors(result.stdout + result.stderr)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        np.testing.assert_allclose(record["losses"], record["ref_losses"], rtol=1e-5)
+        assert max(record["errors"].values()) < 1e-5, record["errors"]
+        assert record["held"]["classifier/kernel"] == 0.5
+        if optimizer == "adam":
+            assert record["held"]["classifier/kernel/Adam"] == 0.5
+        assert record["held"]["body/kernel"] == 1.0
+
+
+def test_split_group_spanning_workers_must_compute_the_loss(tmp_path):
+    result = _horovodrun("split_worker.py", "sgd", "8,8", str(tmp_path), "4", "loss-outside",
+                         timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert (f"EPL-ERROR rank {rank}: pass 'split' failed (passes run before it: none): "
+                "epl.split over 4 devices spans several workers, and classifier/add:0 (sharded) "
+                "is read where the whole tensor is needed, so it would have to be gathered "
+                "whole") in out, _errors(out)

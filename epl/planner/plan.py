@@ -79,18 +79,29 @@ def _is_split(taskgraph: TaskGraph) -> bool:
 
 def split_layout(taskgraphs: list[TaskGraph], cluster: Cluster,
                  colocate: bool = True) -> tuple[int, dict]:
-    """(devices left to the replicas, {split TaskGraph name: its devices})."""
+    """(devices left to the replicas, {split TaskGraph name: this worker's devices of it}).
+
+    A split group of exactly (local devices x workers) devices spans every
+    worker: each worker holds its local devices' slots (rank order).
+    """
     available = cluster.num_local_devices
     split = [tg for tg in taskgraphs if _is_split(tg)]
     if not split:
         return available, {}
     widest = max(split, key=lambda tg: tg.spec.device_count)
     k = widest.spec.device_count
+    if k > available and k == available * cluster.num_workers:
+        # the group spans every worker: this worker holds `available` of its slots
+        return available, {tg.name: tuple(cluster.local_devices[:tg.spec.device_count
+                                                                 // cluster.num_workers])
+                           for tg in split}
     if k > available:
         raise ClusterError(
             f"{widest.spec.describe()} splits over {k} devices but this worker has {available} "
-            f"{cluster.device_type} device(s). Lower device_count, or add devices (on CPU: "
-            "cluster.virtual_devices).")
+            f"{cluster.device_type} device(s) (and {cluster.num_workers} worker(s) hold "
+            f"{available * cluster.num_workers} in all). Use device_count <= {available} (a "
+            f"group within each worker) or = {available * cluster.num_workers} (a group over "
+            "every worker's devices), or add devices (on CPU: cluster.virtual_devices).")
     per_replica = sum(tg.spec.device_count for tg in taskgraphs if not _is_split(tg)) or 1
     if not colocate and available - k >= per_replica:
         usable, first = available - k, available - k

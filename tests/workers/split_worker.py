@@ -7,8 +7,14 @@ the workers through Horovod). Each worker feeds its own part of one global
 batch; the variables after the steps must equal single-device training on the
 whole global batch, computed in this same process with EPL not initialized.
 
-usage: split_worker.py OPTIMIZER BATCH_SIZES OUT_DIR
+With GROUP = 4 the split group spans both workers (2 x 2 devices): each
+worker holds 2 of the 4 classifier shards, reads every worker's features
+(all-gather through Horovod) and computes the global loss; its shards are
+compared with their slices of the single-device variables.
+
+usage: split_worker.py OPTIMIZER BATCH_SIZES OUT_DIR [GROUP [loss-outside]]
 """
+import contextlib
 import json
 import os
 import sys
@@ -24,7 +30,7 @@ STEPS = 3
 CLASSES = 12
 
 
-def build(batch, use_epl, optimizer_name):
+def build(batch, use_epl, optimizer_name, group=2, loss_outside=False):
     x = tf.compat.v1.placeholder(tf.float32, [batch, 6])
     y = tf.compat.v1.placeholder(tf.int64, [batch])
     rng = np.random.RandomState(1)
@@ -35,14 +41,18 @@ def build(batch, use_epl, optimizer_name):
                      kernel_initializer=tf.constant_initializer(rng.randn(6, 8) * 0.5))
     if body:
         body.__exit__(None, None, None)
-    head = epl.split(2, name="classifier") if use_epl else None
+    head = epl.split(group, name="classifier") if use_epl else None
     if head:
         head.__enter__()
     logits = layers.dense(h, CLASSES, name="classifier",
                           kernel_initializer=tf.constant_initializer(rng.randn(8, CLASSES) * 0.5))
-    loss = layers.sparse_softmax_cross_entropy(y, logits)
+    if not loss_outside:
+        loss = layers.sparse_softmax_cross_entropy(y, logits)
     if head:
         head.__exit__(None, None, None)
+    if loss_outside:   # replicated ops read the split logits
+        with (epl.replicate(1, name="body") if use_epl else contextlib.nullcontext()):
+            loss = layers.sparse_softmax_cross_entropy(y, logits)
     opt = (tf.compat.v1.train.AdamOptimizer(0.05) if optimizer_name == "adam"
            else tf.compat.v1.train.GradientDescentOptimizer(0.5))
     return x, y, loss, opt.minimize(loss)
@@ -56,7 +66,7 @@ def full_values(sess, graph):
         if info is None:
             out[variable.op.name] = value
             continue
-        full = out.setdefault(info.full_name, np.zeros(info.full_shape, value.dtype))
+        full = out.setdefault(info.full_name, np.full(info.full_shape, np.nan, value.dtype))
         full[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))] = value
     return out
 
@@ -72,13 +82,16 @@ def train(items, features, labels):
 
 def main():
     optimizer_name, sizes, out_dir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
+    group = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    loss_outside = len(sys.argv) > 5 and sys.argv[5] == "loss-outside"
     tf.compat.v1.disable_eager_execution()
     rng = np.random.RandomState(0)
     total = sum(sizes)
     features = rng.randn(total, 6).astype(np.float32)
     labels = rng.randint(0, CLASSES, total).astype(np.int64)
     with tf.Graph().as_default():
-        ref_losses, ref_vars = train(build(total, False, optimizer_name), features, labels)
+        ref_losses, ref_vars = train(build(total, False, optimizer_name, loss_outside=loss_outside),
+                                     features, labels)
 
     epl.init(epl.Config({"cluster.virtual_devices": 2,
                          "cluster.colocate_split_and_replicate": True}))
@@ -86,11 +99,18 @@ def main():
     start = sum(sizes[:rank])
     part = slice(start, start + sizes[rank])
     with tf.Graph().as_default():
-        losses, variables = train(build(sizes[rank], True, optimizer_name),
-                                  features[part], labels[part])
-    errors = {name: float(np.max(np.abs(variables[name] - value))) for name, value in ref_vars.items()}
+        try:
+            losses, variables = train(build(sizes[rank], True, optimizer_name, group, loss_outside),
+                                      features[part], labels[part])
+        except epl.EPLError as err:
+            print(f"EPL-ERROR rank {rank}: {err}", flush=True)
+            raise
+    held = {name: float(np.mean(~np.isnan(variables[name]))) for name in ref_vars}
+    errors = {name: float(np.nanmax(np.abs(variables[name] - value)))
+              for name, value in ref_vars.items()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors}, f)
+        json.dump({"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors,
+                   "held": held}, f)
     env.reset()
 
 
