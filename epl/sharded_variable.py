@@ -133,3 +133,23 @@ def shard_existing(variable, axis: int, sizes: list[int], devices: list[str],
         shards.append(shard)
     _replace_in_collections(graph, variable, shards)
     return ShardedVariable(full_name, full_shape, axis, tuple(sizes), shards, tuple(offsets))
+
+
+def full_values(session, graph: tf.Graph) -> dict:
+    """Values of every global variable of `graph` by checkpoint name, shards reassembled.
+
+    A sharded variable's shards are put back into one array of its full shape
+    (as a checkpoint holds it); where this worker holds only some shards (a
+    split group spanning workers) the other entries are NaN.
+    """
+    import numpy as np
+    out = {}
+    variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+    for variable, value in zip(variables, session.run(variables)):
+        info = getattr(variable, "_save_slice_info", None)
+        if info is None:
+            out[variable.op.name] = value
+            continue
+        full = out.setdefault(info.full_name, np.full(info.full_shape, np.nan, value.dtype))
+        full[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))] = value
+    return out

@@ -40,6 +40,7 @@ from tensorflow.python.framework import kernels
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.graph_view import input_args
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
 
@@ -239,13 +240,7 @@ class AmpPass(GraphPass):
 def _low_precision_inputs(op: tf.Operation, attrs: list[str]) -> list[bool]:
     """Per input of `op`: is its argument typed by one of `attrs` (cast it down)."""
     flags = []
-    for arg in op.op_def.input_arg:
-        if arg.number_attr:
-            width = op.get_attr(arg.number_attr)
-        elif arg.type_list_attr:
-            width = len(op.get_attr(arg.type_list_attr))
-        else:
-            width = 1
+    for arg, width in input_args(op):
         flags.extend([arg.type_attr in attrs] * width)
     return flags
 

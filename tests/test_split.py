@@ -18,25 +18,12 @@ import tensorflow as tf
 
 import epl
 import epl.layers as layers
+from epl.sharded_variable import full_values
 from epl import env
 from epl.ir.taskgraph import graph_state
 from graph_passes.split import SplitFallbackWarning
 
 B = 8
-
-
-def full_values(sess, graph) -> dict:
-    """Every global variable by its checkpoint name; shards reassembled."""
-    out = {}
-    variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-    for variable, value in zip(variables, sess.run(variables)):
-        info = getattr(variable, "_save_slice_info", None)
-        if info is None:
-            out[variable.op.name] = value
-            continue
-        full = out.setdefault(info.full_name, np.full(info.full_shape, np.nan, value.dtype))
-        full[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))] = value
-    return out
 
 
 def scope(strategy):

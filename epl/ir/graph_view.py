@@ -153,9 +153,9 @@ def colocation_root(op: tf.Operation) -> tf.Operation | None:
     return None
 
 
-def input_arg_type_attr(op: tf.Operation, index: int) -> tuple[str, bool]:
-    """(type_attr, is_fixed_int) of the OpDef argument behind input `index`."""
-    position = 0
+def input_args(op: tf.Operation) -> list:
+    """(OpDef argument, how many of op's inputs it takes) for each input argument."""
+    widths = []
     for arg in op.op_def.input_arg:
         if arg.number_attr:
             width = op.get_attr(arg.number_attr)
@@ -163,6 +163,14 @@ def input_arg_type_attr(op: tf.Operation, index: int) -> tuple[str, bool]:
             width = len(op.get_attr(arg.type_list_attr))
         else:
             width = 1
+        widths.append((arg, width))
+    return widths
+
+
+def input_arg_type_attr(op: tf.Operation, index: int) -> tuple[str, bool]:
+    """(type_attr, is_fixed_int) of the OpDef argument behind input `index`."""
+    position = 0
+    for arg, width in input_args(op):
         if index < position + width:
             fixed_int = not arg.type_attr and not arg.type_list_attr and arg.type in (
                 tf.int32.as_datatype_enum, tf.int64.as_datatype_enum)

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import epl
 import epl.layers as layers
+from epl.sharded_variable import full_values
 from epl import env
 
 STEPS = 3
@@ -56,19 +57,6 @@ def build(batch, use_epl, optimizer_name, group=2, loss_outside=False):
     opt = (tf.compat.v1.train.AdamOptimizer(0.05) if optimizer_name == "adam"
            else tf.compat.v1.train.GradientDescentOptimizer(0.5))
     return x, y, loss, opt.minimize(loss)
-
-
-def full_values(sess, graph):
-    out = {}
-    variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-    for variable, value in zip(variables, sess.run(variables)):
-        info = getattr(variable, "_save_slice_info", None)
-        if info is None:
-            out[variable.op.name] = value
-            continue
-        full = out.setdefault(info.full_name, np.full(info.full_shape, np.nan, value.dtype))
-        full[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))] = value
-    return out
 
 
 def train(items, features, labels):
