@@ -64,13 +64,15 @@ import dataclasses
 import functools
 
 import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR,
                                 Phase)
 from epl.ir.graph_view import VARIABLE_OP_TYPES, colocation_root, descendants
 from epl.ir import recompute
-from epl.ir.clone import clone_op, clone_ops, replace_control_inputs, replace_input
+from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, copy_node_def, replace_control_inputs,
+                          replace_input)
 from epl.graph_keys import merge_requests
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
@@ -589,18 +591,23 @@ class ReplicatePass(GraphPass):
 
     @staticmethod
     def _mirror_variables(view, plan) -> dict:
-        """original variable op -> [variable op per replica] (index 0: the original)."""
-        mirrors = {}
+        """original variable op -> [variable op per replica] (index 0: the original).
+
+        The mirrors are added to the graph in one batch (epl.ir.clone.NodeBatch).
+        """
+        batch = NodeBatch(view.graph)
+        names = {}
         for var in view.variables:
-            copies = [var]
             for k in range(1, plan.num_replicas):
                 attrs = _replica_attr(k)
                 shared = var.get_attr("shared_name").decode() or var.name
                 attrs["shared_name"] = tf.compat.v1.AttrValue(s=f"{REPLICA_PREFIX.format(k)}/{shared}".encode())
-                copies.append(clone_op(var, [], f"{REPLICA_PREFIX.format(k)}/{var.name}",
-                                       plan.device(view.taskgraph_of[var], k), attrs))
-            mirrors[var] = copies
-        return mirrors
+                name = batch.new_name(f"{REPLICA_PREFIX.format(k)}/{var.name}")
+                names[(var, k)] = batch.add(copy_node_def(
+                    var, name, plan.device(view.taskgraph_of[var], k), attrs))
+        created = batch.commit()
+        return {var: [var] + [created[names[(var, k)]] for k in range(1, plan.num_replicas)]
+                for var in view.variables}
 
     @staticmethod
     def _copy_forward(view, plan, unit, micro, forward, slices, mirrors, shape_consts) -> dict:
@@ -623,21 +630,15 @@ class ReplicatePass(GraphPass):
                 return mirrors[var][k].device
             return plan.device(view.taskgraph_of[op], k)
 
-        op_map: dict = {}
-        run: list = []  # consecutive ops cloned in one clone_ops call
-        for op in forward + [None]:
-            if op is not None and op not in shape_consts:
-                run.append(op)
-                continue
-            if run:
-                op_map.update(clone_ops(run, prefix, device_fn, input_map, attrs, known=op_map))
-                run = []
-            if op is not None:
+        copier = OpCopier(view.graph, prefix, device_fn, input_map, attrs)
+        for op in forward:
+            if op in shape_consts:
                 source = shape_consts[op]
-                source = (input_map[source] if source in input_map
-                          else op_map[source.op].outputs[source.value_index])
-                op_map[op] = _shape_op(op, source, f"{prefix}/{op.name}", device_fn(op), attrs)
-        return op_map
+                copier.substitute(op, _shape_node(op, copier.input(source), source.dtype,
+                                                  copier.new_name(op), device_fn(op), attrs))
+            else:
+                copier.copy(op)
+        return copier.commit()
 
     @staticmethod
     def _regenerate_gradients(view, plan, unit, micro, forward_map, mirrors,
@@ -779,19 +780,15 @@ class ReplicatePass(GraphPass):
         the original too, so workers that initialized with different random
         seeds start identical.
         """
-        sync = {}
         cross = communicator.cross
+        if cross is None:
+            return _local_sync_ops(mirrors)
+        sync = {}
         with tf.name_scope("EPL_SYNC"):
             for var, copies in mirrors.items():
-                if len(copies) == 1 and cross is None:
-                    continue
                 with tf.device(var.device):
-                    value = _read(var)
-                assigns = []
-                if cross is not None:
-                    with tf.device(var.device):
-                        value = cross.broadcast(value, 0)
-                        assigns.append(_assign(var, value))
+                    value = cross.broadcast(_read(var), 0)
+                    assigns = [_assign(var, value)]
                 for copy in copies[1:]:
                     with tf.device(copy.device):
                         assigns.append(_assign(copy, value))
@@ -975,18 +972,18 @@ def _tag_global_backward(ops, fallback_device: str) -> None:
         op._set_device(source.device or fallback_device)
 
 
-def _shape_op(const: tf.Operation, source: tf.Tensor, name: str, device: str,
-              copy_attrs: dict) -> tf.Operation:
-    """A Shape op of `source` standing in for the folded shape constant `const`."""
-    dtype = const.outputs[0].dtype
+def _shape_node(const: tf.Operation, source: str, source_dtype: tf.DType, name: str, device: str,
+                copy_attrs: dict) -> node_def_pb2.NodeDef:
+    """NodeDef of a Shape op of `source` (a NodeDef input of dtype `source_dtype`)
+    standing in for the folded shape constant `const`."""
     attrs = {k: v for k, v in const.node_def.attr.items() if k in (TASKGRAPH_ATTR, PHASE_ATTR)}
     attrs.update(copy_attrs)
-    attrs["T"] = tf.compat.v1.AttrValue(type=source.dtype.as_datatype_enum)
-    attrs["out_type"] = tf.compat.v1.AttrValue(type=dtype.as_datatype_enum)
-    op = const.graph._create_op_internal("Shape", [source], [dtype], name=name, attrs=attrs,
-                                         compute_device=False)
-    op._set_device(device)
-    return op
+    node = node_def_pb2.NodeDef(name=name, op="Shape", device=device, input=[source])
+    for key, value in attrs.items():
+        node.attr[key].CopyFrom(value)
+    node.attr["out_type"].type = const.outputs[0].dtype.as_datatype_enum
+    node.attr["T"].type = source_dtype.as_datatype_enum
+    return node
 
 
 def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf.Tensor:
@@ -1000,6 +997,50 @@ def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf
     else:  # weights are shares of the global batch, so the sum over workers is the mean
         local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
     return cross.all_reduce(local, "sum") if cross is not None else local
+
+
+def _local_sync_ops(mirrors: dict) -> dict:
+    """`_sync_ops` with one worker: per variable with mirrors, read the original
+    (on its device), assign the value to every mirror (on the mirror's device),
+    and a NoOp on the original's device that runs the assigns. The same ops as
+    `_read`, `_assign` and tf.group build, written as NodeDefs and added in one
+    batch (epl.ir.clone.NodeBatch): there is one such op group per variable.
+    """
+    batch = NodeBatch(next(iter(mirrors)).graph) if mirrors else None
+    groups = {}
+    for var, copies in mirrors.items():
+        if len(copies) == 1:
+            continue
+        resource = var.type == "VarHandleOp"
+        dtype = var.get_attr("dtype")
+        value = batch.add(_node(batch, "ReadVariableOp" if resource else "Identity", var.device,
+                                [batch.ref(var.outputs[0])], **(
+                                    {"dtype": dtype} if resource else {"T": dtype})))
+        assigns = []
+        for copy in copies[1:]:
+            inputs = [batch.ref(copy.outputs[0]), batch.output(value, 0)]
+            assigns.append(batch.add(
+                _node(batch, "AssignVariableOp", copy.device, inputs, dtype=dtype) if resource else
+                _node(batch, "Assign", copy.device, inputs, T=dtype, validate_shape=True,
+                      use_locking=True)))
+        groups[var] = batch.add(_node(batch, "NoOp", var.device, [f"^{a}" for a in assigns],
+                                      name="group_deps"))
+    created = batch.commit() if batch is not None else {}
+    return {var: created[name] for var, name in groups.items()}
+
+
+def _node(batch: NodeBatch, op_type: str, device: str, inputs: list[str], name: str | None = None,
+          **attrs) -> node_def_pb2.NodeDef:
+    """A NodeDef named `EPL_SYNC/<name or op_type>` (made unique) with `inputs` and
+    `attrs` (tf.DType or bool values); the importer fills in default attributes."""
+    node = node_def_pb2.NodeDef(name=batch.new_name(f"EPL_SYNC/{name or op_type}"), op=op_type,
+                                device=device, input=inputs)
+    for key, value in attrs.items():
+        if isinstance(value, bool):
+            node.attr[key].b = value
+        else:
+            node.attr[key].type = tf.as_dtype(value).as_datatype_enum
+    return node
 
 
 def _read(var: tf.Operation) -> tf.Tensor:
