@@ -31,6 +31,12 @@ the unit of copying is a (replica r, micro-batch m) pair. The pass
   which is what fetching the loss returns; a summary op that read the loss
   reads the merged value instead.
 
+Copies (forward, backward, apply, variable mirrors, sync ops) are written as
+NodeDefs and added to the graph with one graph import per batch
+(epl.ir.clone.NodeBatch explains how), which is several times cheaper than
+creating them op by op; only the first unit of each slice shape runs
+tf.gradients.
+
 The order in which the micro-batch copies run (the pipeline schedule) is the
 "schedule" pass's job (graph_passes/schedule.py); this pass only copies.
 
@@ -911,16 +917,19 @@ def _prefix(replica: int, micro_batch: int, micro: int) -> str:
 def _tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | None = None) -> None:
     """Phase, replica, micro-batch, TaskGraph and device of regenerated backward ops."""
     phase = tf.compat.v1.AttrValue(s=Phase.BACKWARD.value.encode())
+    replica_attr = tf.compat.v1.AttrValue(i=replica)
+    micro_attr = None if micro_batch is None else tf.compat.v1.AttrValue(i=micro_batch)
     for op in ops:
         op._set_attr(PHASE_ATTR, phase)
-        op._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
-        if micro_batch is not None:
-            op._set_attr(MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=micro_batch))
+        op._set_attr(REPLICA_ATTR, replica_attr)
+        if micro_attr is not None:
+            op._set_attr(MICRO_BATCH_ATTR, micro_attr)
         source = colocation_root(op) or next(
             (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
-             if TASKGRAPH_ATTR in producer.node_def.attr), None)
-        if source is not None and TASKGRAPH_ATTR in source.node_def.attr:
-            op._set_attr(TASKGRAPH_ATTR, source.node_def.attr[TASKGRAPH_ATTR])
+             if _string_attr(producer, TASKGRAPH_ATTR) is not None), None)
+        taskgraph = _string_attr(source, TASKGRAPH_ATTR) if source is not None else None
+        if taskgraph is not None:
+            op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph))
         op._set_device(source.device if source is not None and source.device else fallback_device)
 
 
@@ -970,6 +979,15 @@ def _tag_global_backward(ops, fallback_device: str) -> None:
             if name in source.node_def.attr:
                 op._set_attr(name, source.node_def.attr[name])
         op._set_device(source.device or fallback_device)
+
+
+def _string_attr(op: tf.Operation, name: str) -> bytes | None:
+    """op's string attribute `name`, or None (read alone: op.node_def would
+    serialize the whole NodeDef, constant values included)."""
+    try:
+        return op.get_attr(name)
+    except ValueError:
+        return None
 
 
 def _shape_node(const: tf.Operation, source: str, source_dtype: tf.DType, name: str, device: str,

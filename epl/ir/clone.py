@@ -60,9 +60,6 @@ class NodeBatch:
         self._inputs: dict = {}    # existing tensor -> placeholder name
         self._controls: dict = {}  # existing op -> placeholder name
 
-    def __len__(self) -> int:
-        return len(self.nodes)
-
     def new_name(self, name: str) -> str:
         """Reserve the graph's unique name for `name` (as op creation would)."""
         return self.graph.unique_name(name)
