@@ -31,6 +31,12 @@ the unit of copying is a (replica r, micro-batch m) pair. The pass
   which is what fetching the loss returns; a summary op that read the loss
   reads the merged value instead.
 
+Copies (forward, backward, apply, variable mirrors, sync ops) are written as
+NodeDefs and added to the graph with one graph import per batch
+(epl.ir.clone.NodeBatch explains how), which is several times cheaper than
+creating them op by op; only the first unit of each slice shape runs
+tf.gradients.
+
 The order in which the micro-batch copies run (the pipeline schedule) is the
 "schedule" pass's job (graph_passes/schedule.py); this pass only copies.
 
@@ -64,13 +70,15 @@ import dataclasses
 import functools
 
 import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR,
                                 Phase)
 from epl.ir.graph_view import VARIABLE_OP_TYPES, colocation_root, descendants
 from epl.ir import recompute
-from epl.ir.clone import clone_op, clone_ops, replace_control_inputs, replace_input
+from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, copy_node_def, replace_control_inputs,
+                          replace_input)
 from epl.graph_keys import merge_requests
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
@@ -597,18 +605,23 @@ class ReplicatePass(GraphPass):
 
     @staticmethod
     def _mirror_variables(view, plan) -> dict:
-        """original variable op -> [variable op per replica] (index 0: the original)."""
-        mirrors = {}
+        """original variable op -> [variable op per replica] (index 0: the original).
+
+        The mirrors are added to the graph in one batch (epl.ir.clone.NodeBatch).
+        """
+        batch = NodeBatch(view.graph)
+        names = {}
         for var in view.variables:
-            copies = [var]
             for k in range(1, plan.num_replicas):
                 attrs = _replica_attr(k)
                 shared = var.get_attr("shared_name").decode() or var.name
                 attrs["shared_name"] = tf.compat.v1.AttrValue(s=f"{REPLICA_PREFIX.format(k)}/{shared}".encode())
-                copies.append(clone_op(var, [], f"{REPLICA_PREFIX.format(k)}/{var.name}",
-                                       plan.device(view.taskgraph_of[var], k), attrs))
-            mirrors[var] = copies
-        return mirrors
+                name = batch.new_name(f"{REPLICA_PREFIX.format(k)}/{var.name}")
+                names[(var, k)] = batch.add(copy_node_def(
+                    var, name, plan.device(view.taskgraph_of[var], k), attrs))
+        created = batch.commit()
+        return {var: [var] + [created[names[(var, k)]] for k in range(1, plan.num_replicas)]
+                for var in view.variables}
 
     @staticmethod
     def _copy_forward(view, plan, unit, micro, forward, slices, mirrors, shape_consts) -> dict:
@@ -631,21 +644,15 @@ class ReplicatePass(GraphPass):
                 return mirrors[var][k].device
             return plan.device(view.taskgraph_of[op], k)
 
-        op_map: dict = {}
-        run: list = []  # consecutive ops cloned in one clone_ops call
-        for op in forward + [None]:
-            if op is not None and op not in shape_consts:
-                run.append(op)
-                continue
-            if run:
-                op_map.update(clone_ops(run, prefix, device_fn, input_map, attrs, known=op_map))
-                run = []
-            if op is not None:
+        copier = OpCopier(view.graph, prefix, device_fn, input_map, attrs)
+        for op in forward:
+            if op in shape_consts:
                 source = shape_consts[op]
-                source = (input_map[source] if source in input_map
-                          else op_map[source.op].outputs[source.value_index])
-                op_map[op] = _shape_op(op, source, f"{prefix}/{op.name}", device_fn(op), attrs)
-        return op_map
+                copier.substitute(op, _shape_node(op, copier.input(source), source.dtype,
+                                                  copier.new_name(op), device_fn(op), attrs))
+            else:
+                copier.copy(op)
+        return copier.commit()
 
     @staticmethod
     def _regenerate_gradients(view, plan, unit, micro, forward_map, mirrors,
@@ -787,19 +794,15 @@ class ReplicatePass(GraphPass):
         the original too, so workers that initialized with different random
         seeds start identical.
         """
-        sync = {}
         cross = communicator.cross
+        if cross is None:
+            return _local_sync_ops(mirrors)
+        sync = {}
         with tf.name_scope("EPL_SYNC"):
             for var, copies in mirrors.items():
-                if len(copies) == 1 and cross is None:
-                    continue
                 with tf.device(var.device):
-                    value = _read(var)
-                assigns = []
-                if cross is not None:
-                    with tf.device(var.device):
-                        value = cross.broadcast(value, 0)
-                        assigns.append(_assign(var, value))
+                    value = cross.broadcast(_read(var), 0)
+                    assigns = [_assign(var, value)]
                 for copy in copies[1:]:
                     with tf.device(copy.device):
                         assigns.append(_assign(copy, value))
@@ -922,16 +925,19 @@ def _prefix(replica: int, micro_batch: int, micro: int) -> str:
 def _tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | None = None) -> None:
     """Phase, replica, micro-batch, TaskGraph and device of regenerated backward ops."""
     phase = tf.compat.v1.AttrValue(s=Phase.BACKWARD.value.encode())
+    replica_attr = tf.compat.v1.AttrValue(i=replica)
+    micro_attr = None if micro_batch is None else tf.compat.v1.AttrValue(i=micro_batch)
     for op in ops:
         op._set_attr(PHASE_ATTR, phase)
-        op._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
-        if micro_batch is not None:
-            op._set_attr(MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=micro_batch))
+        op._set_attr(REPLICA_ATTR, replica_attr)
+        if micro_attr is not None:
+            op._set_attr(MICRO_BATCH_ATTR, micro_attr)
         source = colocation_root(op) or next(
             (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
-             if TASKGRAPH_ATTR in producer.node_def.attr), None)
-        if source is not None and TASKGRAPH_ATTR in source.node_def.attr:
-            op._set_attr(TASKGRAPH_ATTR, source.node_def.attr[TASKGRAPH_ATTR])
+             if _string_attr(producer, TASKGRAPH_ATTR) is not None), None)
+        taskgraph = _string_attr(source, TASKGRAPH_ATTR) if source is not None else None
+        if taskgraph is not None:
+            op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph))
         op._set_device(source.device if source is not None and source.device else fallback_device)
 
 
@@ -998,18 +1004,27 @@ def _tag_global_backward(ops, fallback_device: str) -> None:
         op._set_device(source.device or fallback_device)
 
 
-def _shape_op(const: tf.Operation, source: tf.Tensor, name: str, device: str,
-              copy_attrs: dict) -> tf.Operation:
-    """A Shape op of `source` standing in for the folded shape constant `const`."""
-    dtype = const.outputs[0].dtype
+def _string_attr(op: tf.Operation, name: str) -> bytes | None:
+    """op's string attribute `name`, or None (read alone: op.node_def would
+    serialize the whole NodeDef, constant values included)."""
+    try:
+        return op.get_attr(name)
+    except ValueError:
+        return None
+
+
+def _shape_node(const: tf.Operation, source: str, source_dtype: tf.DType, name: str, device: str,
+                copy_attrs: dict) -> node_def_pb2.NodeDef:
+    """NodeDef of a Shape op of `source` (a NodeDef input of dtype `source_dtype`)
+    standing in for the folded shape constant `const`."""
     attrs = {k: v for k, v in const.node_def.attr.items() if k in (TASKGRAPH_ATTR, PHASE_ATTR)}
     attrs.update(copy_attrs)
-    attrs["T"] = tf.compat.v1.AttrValue(type=source.dtype.as_datatype_enum)
-    attrs["out_type"] = tf.compat.v1.AttrValue(type=dtype.as_datatype_enum)
-    op = const.graph._create_op_internal("Shape", [source], [dtype], name=name, attrs=attrs,
-                                         compute_device=False)
-    op._set_device(device)
-    return op
+    node = node_def_pb2.NodeDef(name=name, op="Shape", device=device, input=[source])
+    for key, value in attrs.items():
+        node.attr[key].CopyFrom(value)
+    node.attr["out_type"].type = const.outputs[0].dtype.as_datatype_enum
+    node.attr["T"].type = source_dtype.as_datatype_enum
+    return node
 
 
 def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf.Tensor:
@@ -1023,6 +1038,50 @@ def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf
     else:  # weights are shares of the global batch, so the sum over workers is the mean
         local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
     return cross.all_reduce(local, "sum") if cross is not None else local
+
+
+def _local_sync_ops(mirrors: dict) -> dict:
+    """`_sync_ops` with one worker: per variable with mirrors, read the original
+    (on its device), assign the value to every mirror (on the mirror's device),
+    and a NoOp on the original's device that runs the assigns. The same ops as
+    `_read`, `_assign` and tf.group build, written as NodeDefs and added in one
+    batch (epl.ir.clone.NodeBatch): there is one such op group per variable.
+    """
+    batch = NodeBatch(next(iter(mirrors)).graph) if mirrors else None
+    groups = {}
+    for var, copies in mirrors.items():
+        if len(copies) == 1:
+            continue
+        resource = var.type == "VarHandleOp"
+        dtype = var.get_attr("dtype")
+        value = batch.add(_node(batch, "ReadVariableOp" if resource else "Identity", var.device,
+                                [batch.ref(var.outputs[0])], **(
+                                    {"dtype": dtype} if resource else {"T": dtype})))
+        assigns = []
+        for copy in copies[1:]:
+            inputs = [batch.ref(copy.outputs[0]), batch.output(value, 0)]
+            assigns.append(batch.add(
+                _node(batch, "AssignVariableOp", copy.device, inputs, dtype=dtype) if resource else
+                _node(batch, "Assign", copy.device, inputs, T=dtype, validate_shape=True,
+                      use_locking=True)))
+        groups[var] = batch.add(_node(batch, "NoOp", var.device, [f"^{a}" for a in assigns],
+                                      name="group_deps"))
+    created = batch.commit() if batch is not None else {}
+    return {var: created[name] for var, name in groups.items()}
+
+
+def _node(batch: NodeBatch, op_type: str, device: str, inputs: list[str], name: str | None = None,
+          **attrs) -> node_def_pb2.NodeDef:
+    """A NodeDef named `EPL_SYNC/<name or op_type>` (made unique) with `inputs` and
+    `attrs` (tf.DType or bool values); the importer fills in default attributes."""
+    node = node_def_pb2.NodeDef(name=batch.new_name(f"EPL_SYNC/{name or op_type}"), op=op_type,
+                                device=device, input=inputs)
+    for key, value in attrs.items():
+        if isinstance(value, bool):
+            node.attr[key].b = value
+        else:
+            node.attr[key].type = tf.as_dtype(value).as_datatype_enum
+    return node
 
 
 def _read(var: tf.Operation) -> tf.Tensor:
