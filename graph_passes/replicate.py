@@ -196,17 +196,10 @@ class ReplicatePass(GraphPass):
             return self._run_with_split(graph, ctx)
         view, plan = ctx.view, ctx.plan
         micro = num_micro_batches(ctx.config)
-        sizes = self._check_batch(view, plan, micro)
         checkpoints = ctx.artifacts.get("checkpoints") or _select_checkpoints(view, ctx.config)
-        shape_consts = self._shape_constants(view)
         before = set(graph.get_operations())
-        forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
-        apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
-        devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
-        self._place(graph, view, plan)
-        slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device, micro)
-        weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
-        mirrors = self._mirror_variables(view, plan)
+        forward, apply_ops, devices, shape_consts, slices, weights, mirrors = \
+            self._prepare(graph, ctx, micro)
         replica_maps, gradients = [], []
         forward_copies, backward_ops, loss_copies = {}, {}, {}
         built_by_shape: dict = {}  # slice shapes -> (unit, its gradients, its backward ops)
@@ -266,6 +259,22 @@ class ReplicatePass(GraphPass):
             notes.append(f"{micro} micro-batches per replica, gradients accumulated")
         return PassResult(added=added, op_map=op_map, notes=notes)
 
+    def _prepare(self, graph, ctx, micro: int):
+        """What both paths start from: (forward ops, apply ops, op -> replica 0's
+        device, folded shape constants, batch slices, batch shares, mirrors),
+        with the originals placed and the variables mirrored."""
+        view, plan = ctx.view, ctx.plan
+        sizes = self._check_batch(view, plan, micro)
+        shape_consts = self._shape_constants(view)
+        forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
+        apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
+        devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
+        self._place(graph, view, plan)
+        slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device, micro)
+        weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
+        mirrors = self._mirror_variables(view, plan)
+        return forward, apply_ops, devices, shape_consts, slices, weights, mirrors
+
     # -- split TaskGraphs -------------------------------------------------------
     @staticmethod
     def _check_split_supported(view, ctx) -> None:
@@ -294,16 +303,9 @@ class ReplicatePass(GraphPass):
         from epl.ir.taskgraph import graph_state
         view, plan = ctx.view, ctx.plan
         self._check_split_supported(view, ctx)
-        sizes = self._check_batch(view, plan, 1)
-        shape_consts = self._shape_constants(view)
         before = set(graph.get_operations())
-        forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
-        apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
-        devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
-        self._place(graph, view, plan)
-        slices, weights = self._slice_batch(view, plan, sizes, ctx.cluster.host_device, 1)
-        weights = self._global_weights(view, weights, ctx.communicator, ctx.cluster.host_device)
-        mirrors = self._mirror_variables(view, plan)
+        forward, apply_ops, devices, shape_consts, slices, weights, mirrors = \
+            self._prepare(graph, ctx, 1)
         first_stage = view.taskgraphs[0]
         records = graph_state(graph).splits
         spanning = {r.taskgraph for r in records if r.spans_workers}  # groups over every worker

@@ -158,7 +158,7 @@ def _batch_matmul_v3_loss(features, labels):
 
 def _train_fallback_model(models, epl_config=None):
     features_np, labels_np = models.make_data("mlp")
-    with tf.Graph().as_default() as graph:
+    with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, features_np.shape)
         y = tf.compat.v1.placeholder(tf.float32, labels_np.shape)
         if epl_config is not None:
