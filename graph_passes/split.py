@@ -781,6 +781,8 @@ def _embedding(rw: _Rewriter, op, layouts):
 
 
 def _read_of(rw: _Rewriter, variable):
+    """A value read of `variable` the walk has seen (so sharding the table also
+    gives that read's other consumers the shards), else its handle."""
     for consumer in variable.op.outputs[0].consumers():
         if consumer.outputs and consumer.outputs[0] in rw.layouts:
             return consumer.outputs[0]
