@@ -147,13 +147,12 @@ class SplitPlan:
 
 @dataclasses.dataclass
 class Slicer:
-    """A dispatch slice: slot `slot` reads `source`[offset:offset+size] along `axis`."""
+    """A dispatch slice: a slot reads `source`[offset:offset+size] along `axis`."""
 
     source: tf.Tensor
     axis: int
     offset: int
     size: int
-    slot: int
 
 
 @dataclasses.dataclass
@@ -400,7 +399,7 @@ class _Rewriter:
             begin[axis], extent[axis] = offset, size
             with self.on(j):
                 part = tf.slice(tensor, begin, extent)
-            self.record.slicers[part] = Slicer(tensor, axis, offset, size, j)
+            self.record.slicers[part] = Slicer(tensor, axis, offset, size)
             parts.append(part)
         return Sharded(parts, axis, tuple(sizes))
 

@@ -8,14 +8,13 @@ whole global batch, computed in this same process with EPL not initialized.
 usage: oracle_worker.py OPTIMIZER BATCH_SIZES OUT_DIR
   BATCH_SIZES: comma-separated rows per worker, e.g. "8,8" or "12,4"
 """
-import json
-import os
 import sys
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from common import global_batch, my_rows, write_record
 from epl import env
 
 STEPS = 4
@@ -53,24 +52,19 @@ def train(graph_items, features, labels):
 def main():
     optimizer_name, sizes, out_dir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
     tf.compat.v1.disable_eager_execution()
-    rng = np.random.RandomState(0)
     total = sum(sizes)
-    features = rng.randn(total, 6).astype(np.float32)
-    labels = rng.randint(0, 3, total).astype(np.int64)
+    features, labels = global_batch(sizes, 3)
     with tf.Graph().as_default():
         ref_losses, ref_vars = train(build(total, False, optimizer_name), features, labels)
 
     epl.init(epl.Config({"cluster.virtual_devices": 2}))
-    rank = epl.Cluster.current().worker_rank
-    start = sum(sizes[:rank])
-    part = slice(start, start + sizes[rank])
+    rank, part = my_rows(sizes)
     with tf.Graph().as_default():
         losses, variables = train(build(sizes[rank], True, optimizer_name), features[part], labels[part])
     # Random initial values differ per worker unless broadcast: perturb worker 1's start
     errors = [float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) for a, b in zip(variables, ref_vars)]
     result = {"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_record(out_dir, rank, result)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for a, b in zip(variables, ref_vars):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

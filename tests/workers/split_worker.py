@@ -15,8 +15,6 @@ compared with their slices of the single-device variables.
 usage: split_worker.py OPTIMIZER BATCH_SIZES OUT_DIR [GROUP [loss-outside]]
 """
 import contextlib
-import json
-import os
 import sys
 
 import numpy as np
@@ -24,6 +22,7 @@ import tensorflow as tf
 
 import epl
 import epl.layers as layers
+from common import global_batch, my_rows, write_record
 from epl.sharded_variable import full_values
 from epl import env
 
@@ -73,19 +72,15 @@ def main():
     group = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     loss_outside = len(sys.argv) > 5 and sys.argv[5] == "loss-outside"
     tf.compat.v1.disable_eager_execution()
-    rng = np.random.RandomState(0)
     total = sum(sizes)
-    features = rng.randn(total, 6).astype(np.float32)
-    labels = rng.randint(0, CLASSES, total).astype(np.int64)
+    features, labels = global_batch(sizes, CLASSES)
     with tf.Graph().as_default():
         ref_losses, ref_vars = train(build(total, False, optimizer_name, loss_outside=loss_outside),
                                      features, labels)
 
     epl.init(epl.Config({"cluster.virtual_devices": 2,
                          "cluster.colocate_split_and_replicate": True}))
-    rank = epl.Cluster.current().worker_rank
-    start = sum(sizes[:rank])
-    part = slice(start, start + sizes[rank])
+    rank, part = my_rows(sizes)
     with tf.Graph().as_default():
         try:
             losses, variables = train(build(sizes[rank], True, optimizer_name, group, loss_outside),
@@ -96,9 +91,8 @@ def main():
     held = {name: float(np.mean(~np.isnan(variables[name]))) for name in ref_vars}
     errors = {name: float(np.nanmax(np.abs(variables[name] - value)))
               for name, value in ref_vars.items()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors,
-                   "held": held}, f)
+    write_record(out_dir, rank, {"rank": rank, "losses": losses, "ref_losses": ref_losses,
+                                 "errors": errors, "held": held})
     env.reset()
 
 

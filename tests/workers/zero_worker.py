@@ -8,14 +8,13 @@ optimizer-state bytes per device of this worker.
 
 usage: zero_worker.py OPTIMIZER BATCH_SIZES OUT_DIR
 """
-import json
-import os
 import sys
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from common import global_batch, my_rows, write_record
 from epl import env
 from graph_passes.zero import optimizer_state_bytes
 from oracle_worker import STEPS, build
@@ -34,18 +33,14 @@ def train(graph_items, features, labels):
 def main():
     optimizer_name, sizes, out_dir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
     tf.compat.v1.disable_eager_execution()
-    rng = np.random.RandomState(0)
     total = sum(sizes)
-    features = rng.randn(total, 6).astype(np.float32)
-    labels = rng.randint(0, 3, total).astype(np.int64)
+    features, labels = global_batch(sizes, 3)
     with tf.Graph().as_default():
         ref_losses, ref_vars = train(build(total, False, optimizer_name), features, labels)
 
     epl.init(epl.Config({"cluster.virtual_devices": 2, "zero.level": "v1",
                          "communication.collective_timeout_s": 60}))
-    rank = epl.Cluster.current().worker_rank
-    start = sum(sizes[:rank])
-    part = slice(start, start + sizes[rank])
+    rank, part = my_rows(sizes)
     with tf.Graph().as_default() as graph:
         items = build(sizes[rank], True, optimizer_name)
         epl.parallelize(graph)
@@ -55,8 +50,7 @@ def main():
               for name, value in ref_vars.items()}
     result = {"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors,
               "state_bytes": state_bytes}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_record(out_dir, rank, result)
     env.reset()
 
 
