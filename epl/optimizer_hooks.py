@@ -58,7 +58,8 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
     kwargs = dict(gate_gradients=gate_gradients, aggregation_method=aggregation_method,
                   grad_loss=grad_loss, sparse_as_dense=sparse_as_dense)
     graph_state(graph).train_steps.append(
-        TrainStep(loss=loss, grads_and_vars=list(grads_and_vars), gradient_kwargs=kwargs))
+        TrainStep(loss=loss, grads_and_vars=list(grads_and_vars), gradient_kwargs=kwargs,
+                  backward_ops=graph.get_operations()[first:]))
     return grads_and_vars
 
 

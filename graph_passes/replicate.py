@@ -77,6 +77,7 @@ from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASK
                                 Phase)
 from epl.ir.graph_view import VARIABLE_OP_TYPES, colocation_root, descendants
 from epl.ir import recompute
+from epl.ir.backward_copy import TemplateBackward
 from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, copy_node_def, replace_control_inputs,
                           replace_input)
 from epl.graph_keys import merge_requests
@@ -203,6 +204,9 @@ class ReplicatePass(GraphPass):
         replica_maps, gradients = [], []
         forward_copies, backward_ops, loss_copies = {}, {}, {}
         built_by_shape: dict = {}  # slice shapes -> (unit, its gradients, its backward ops)
+        template, why_not = self._template(view, ctx, checkpoints)
+        autodiff_reasons = [why_not] if why_not else []
+        constants_by_shape: dict = {}  # slice shapes -> (template constants' values, why not)
         for k in range(plan.num_replicas):
             per_micro = []
             for m in range(micro):
@@ -211,7 +215,19 @@ class ReplicatePass(GraphPass):
                                                  shape_consts)
                 first = len(graph.get_operations())
                 key = _slice_shapes(slices, k * micro + m)
-                if key in built_by_shape:  # same shapes: copy that unit's backward (cheap)
+                copied = None
+                if template is not None and key not in built_by_shape:
+                    if key not in constants_by_shape:
+                        constants_by_shape[key] = template.constant_values(forward_map)
+                    copied, why_not = self._copy_template(view, plan, template, unit, micro,
+                                                          forward_map, slices, mirrors,
+                                                          *constants_by_shape[key])
+                    if copied is None:
+                        constants_by_shape[key] = ({}, why_not)
+                        autodiff_reasons.append(why_not)
+                if copied is not None:  # the user's backward ops, copied (cheap)
+                    per_micro.append(copied)
+                elif key in built_by_shape:  # same shapes: copy that unit's backward (cheap)
                     source, source_grads, source_ops = built_by_shape[key]
                     per_micro.append(self._copy_backward(
                         view, plan, source, unit, micro, source_grads, source_ops,
@@ -255,6 +271,10 @@ class ReplicatePass(GraphPass):
                   + [m[op].name for m in replica_maps[1:] if op in m and op not in replica_maps[0]]
                   for op in view.replica_ops}
         notes = [f"{plan.num_replicas} replicas, shares {list(plan.replica_weights)}"]
+        rebuilt = len(built_by_shape)
+        notes.append(f"backward ops: copied from the template for "
+                     f"{plan.num_replicas * micro - rebuilt} unit(s), autodiff for {rebuilt}"
+                     + (f" ({'; '.join(autodiff_reasons)})" if rebuilt else ""))
         if micro > 1:
             notes.append(f"{micro} micro-batches per replica, gradients accumulated")
         return PassResult(added=added, op_map=op_map, notes=notes)
@@ -698,6 +718,35 @@ class ReplicatePass(GraphPass):
                           m if micro > 1 else None)
             grads_out.extend(grads)
         return grads_out
+
+    @staticmethod
+    def _template(view, ctx, checkpoints) -> tuple:
+        """(TemplateBackward, None) when the user's backward ops can be copied for the
+        replicas, else (None, why not)."""
+        why_not = TemplateBackward.unusable(view, view.steps, ctx.artifacts.get("amp") is not None,
+                                            checkpoints)
+        return (None, why_not) if why_not else (TemplateBackward(view, view.steps), None)
+
+    @staticmethod
+    def _copy_template(view, plan, template, unit, micro, forward_map, slices, mirrors,
+                       constants: dict, why_not: str | None) -> tuple:
+        """(gradients, None): the template's backward ops copied for `unit` (reading its
+        forward copies, slices and variables, batch-derived constants rewritten), or
+        (None, why not) when they cannot be (the caller runs autodiff instead)."""
+        if why_not:
+            return None, why_not
+        k, m = unit
+        input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
+        input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
+        devices = {plan.device(tg, 0): plan.device(tg, k) for tg in view.taskgraphs}
+        try:
+            grads = template.copy(view.graph, _prefix(k, m, micro),
+                                  lambda op: devices.get(op.device, op.device), input_map,
+                                  _replica_attr(k, m if micro > 1 else None), forward_map,
+                                  constants)
+        except (ValueError, tf.errors.InvalidArgumentError) as err:  # shape inference refused it
+            return None, f"copying the template failed: {str(err).splitlines()[0]}"
+        return grads, None
 
     @staticmethod
     def _copy_backward(view, plan, source, unit, micro, source_grads, source_ops,

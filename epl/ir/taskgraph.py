@@ -44,12 +44,15 @@ class TrainStep:
     gradient_kwargs: how compute_gradients was called (gate_gradients,
       aggregation_method, grad_loss, sparse_as_dense), so passes can rebuild
       the gradients of a copy of the forward graph the same way.
+    backward_ops: the ops compute_gradients created, in creation order (the
+      template that epl.ir.backward_copy copies for each replica).
     """
 
     loss: tf.Tensor
     grads_and_vars: list[tuple[Any, Any]]
     train_op: tf.Operation | None = None
     gradient_kwargs: dict = dataclasses.field(default_factory=dict)
+    backward_ops: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
