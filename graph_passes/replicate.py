@@ -34,8 +34,16 @@ the unit of copying is a (replica r, micro-batch m) pair. The pass
 Copies (forward, backward, apply, variable mirrors, sync ops) are written as
 NodeDefs and added to the graph with one graph import per batch
 (epl.ir.clone.NodeBatch explains how), which is several times cheaper than
-creating them op by op; only the first unit of each slice shape runs
-tf.gradients.
+creating them op by op. The backward ops of every unit are copies of the
+user's own backward ops (the ones compute_gradients built for the whole batch,
+recorded at gradient time), with the constants TensorFlow folded from the
+global batch's static shapes rewritten for the unit's slice
+(epl/ir/backward_copy.py says how they are found, from colocation and static
+shapes). Where that cannot be done with certainty (a constant that may or may
+not be batch-derived, a slice of one row, AMP or gradient checkpointing, which
+change the forward after the user's autodiff), the first unit of each slice
+shape runs tf.gradients on its forward copy and the others copy its ops; the
+pass's notes say which path each unit took and why.
 
 The order in which the micro-batch copies run (the pipeline schedule) is the
 "schedule" pass's job (graph_passes/schedule.py); this pass only copies.
