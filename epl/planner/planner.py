@@ -61,12 +61,12 @@ The model of one device
   with k NICs per host NCCL runs k rings side by side, one per NIC, so the
   crossings go k times faster: the ring runs at the slowest host's network
   bandwidth (or at the slowest intra-node link of a host holding several
-  of the ring's devices, if that is slower).  The all-to-all's inter-host
-  part of one device runs at the slowest host's network bandwidth divided
-  by the devices of its host (every host sends to and receives from every
-  other host, so the slowest one's NICs bind).  The network's latency,
-  congestion and topology (switch tiers, oversubscription) are not
-  modelled.
+  of the ring's devices, if that is slower).  In the all-to-all, a
+  device's bytes for other hosts go at the slowest host's network
+  bandwidth divided by the number of devices on the device's own host,
+  which share it (every host sends to and receives from every other host,
+  so the slowest one's NICs bind).  The network's latency, congestion and
+  topology (switch tiers, oversubscription) are not modelled.
 - Pipeline: a step takes (micro-batches + stages - 1) x the slowest stage's
   time per micro-batch (GPipe/1F1B bubble), stage s keeps
   min(stages - s, micro-batches) micro-batches' activations alive; the
