@@ -825,7 +825,7 @@ class _Context:
 
     @functools.cached_property
     def slowest_network(self) -> float:
-        """The slowest host's network: bytes/s per direction of all its NICs."""
+        """The slowest host's network (all its NICs), bytes/s per direction."""
         return min(d.network.bandwidth for d in self.devices)
 
     def usable(self, device: ClusterDevice) -> float:
