@@ -12,13 +12,28 @@ each built-in model (BERT-base, ResNet-50, M6-mini), all in mixed precision
 It prints a table and one ratio line per case: predicted step time of the
 even split / the balanced plan (target >= 1.3 where the capability gap, the
 slow device's predicted compute time over the fast one's at equal batch, is
-at least 2x), and checks that no balanced plan runs out of memory where the
-even split fits.  "comm" is the share of communication (gradient
-all-reduce, expert all-to-all) in the even split's step on its slowest
-device: balancing cannot shorten it, so it bounds the ratio.  Hosts are
-linked by the profiles' default 100 Gb/s network, one NIC per host.  Then the M6-10T configuration (~9.9 T parameters) on 512
-V100-32GB with offload: its per-device memory table and whether it fits,
-and what the planner says without offload.
+at least 2x), a line counting the rows that meet and miss the target, and
+checks that no balanced plan runs out of memory where the even split fits.
+"comm" is the share of communication (gradient all-reduce, expert
+all-to-all) in the even split's step on its slowest device: balancing
+cannot shorten it, so it bounds the ratio.
+
+It does so twice, for the same clusters with two networks:
+
+1. every host linked by the profiles' default network, one 100 Gb/s NIC
+   per host;
+2. every host with its server's published compute network
+   (`NETWORKED_CLUSTERS`, cited in epl/profiles.py): A100 hosts like an
+   NVIDIA DGX A100, one 200 Gb/s HDR InfiniBand NIC per GPU (8 x 200 Gb/s
+   for 8 GPUs; 4 x 200 Gb/s for the 4-GPU hosts); 8-GPU V100 hosts like an
+   NVIDIA DGX-1 with V100, 4 x 100 Gb/s EDR InfiniBand (a DGX-2 has the same
+   4 NICs per 8 GPUs: 8 x 100 Gb/s for 16); T4 hosts with one 100 Gb/s NIC,
+   the most cloud T4 machines get.  Its ratio lines are tagged
+   "published networks".
+
+Then the M6-10T configuration (~9.9 T parameters) on 512 V100-32GB with
+offload: its per-device memory table and whether it fits, and what the
+planner says without offload.
 
 The predictions come from the cost model (no accelerator is used), so the
 numbers are deterministic; "timings are medians" does not apply.
@@ -42,6 +57,18 @@ CLUSTERS = [
     ("V100+T4", "1x8xV100-32GB,1x8xT4"),
     ("A100+V100", "1x8xA100-40GB,1x8xV100-32GB"),
     ("8 fast + 8 slow", "2x4xA100-80GB,2x4xT4"),
+]
+#: Per-NIC networks of the servers (see the docstring and epl/profiles.py).
+DGX_A100_NIC = "200Gbps"  # one HDR InfiniBand NIC per GPU
+DGX1_V100 = "4x100Gbps"  # DGX-1 with V100: 4 x EDR InfiniBand for 8 GPUs
+T4_SERVER = "1x100Gbps"
+#: The same clusters, each host with its server's published network.
+NETWORKED_CLUSTERS = [
+    ("V100+T4", f"1x8xV100-32GB@{DGX1_V100},1x8xT4@{T4_SERVER}"),
+    ("A100+V100", f"1x8xA100-40GB@8x{DGX_A100_NIC},"
+                  f"1x8xV100-32GB@{DGX1_V100}"),
+    ("8 fast + 8 slow", f"2x4xA100-80GB@4x{DGX_A100_NIC},"
+                        f"2x4xT4@{T4_SERVER}"),
 ]
 #: model -> examples per device (typical mixed-precision training batches).
 MODELS = [("bert-base", 128), ("resnet50", 128), ("m6-mini", 64)]
@@ -73,15 +100,15 @@ def _ms(alt) -> str:
     return f"{alt.step_time * 1e3:.1f}" if alt.feasible else "OOM"
 
 
-def mixed_clusters() -> list[str]:
-    """The cluster x model table and its ratio lines."""
+def mixed_clusters(clusters=CLUSTERS, tag: str = "") -> list[str]:
+    """The cluster x model table and its ratio lines (tagged with `tag`)."""
     header = (f"{'cluster':<16} {'model':<10} {'batch':>6} {'gap':>5} "
               f"{'comm':>5} "
               f"{'even ms':>9} {'balanced ms':>12} {'chosen ms':>10}  "
               f"{'ratio':>6}  chosen plan")
     rows, ratios = [header, "-" * len(header)], []
-    bad_oom = 0
-    for cluster_name, cluster in CLUSTERS:
+    bad_oom, meets, misses = 0, [], []
+    for cluster_name, cluster in clusters:
         for model_name, per_device in MODELS:
             case = _case(cluster, model_name, per_device)
             even, balanced = case["even"], case["balanced"]
@@ -96,21 +123,28 @@ def mixed_clusters() -> list[str]:
                 f"{_ms(case['chosen']):>10}  "
                 f"{(f'{ratio:.2f}x' if ratio else '-'):>6}  "
                 f"{case['chosen'].name}")
-            ratios.append(_ratio_line(cluster_name, model_name, case, ratio))
+            name = f"{cluster_name}, {model_name}"
+            ratios.append(_ratio_line(f"{name}, {tag}" if tag else name,
+                                      case, ratio))
+            if ratio is not None and case["gap"] >= 2:
+                (meets if ratio >= TARGET else misses).append(name)
     rows.append("")
     rows += ratios
+    rows.append(f"target >= {TARGET} where the gap is >= 2x"
+                f"{f' ({tag})' if tag else ''}: {len(meets)} of "
+                f"{len(meets) + len(misses)} rows meet"
+                + (f"; misses: {'; '.join(misses)}" if misses else ""))
     rows.append(f"balanced plans out of memory where the even split fits: "
                 f"{bad_oom} (target 0)")
     return rows
 
 
-def _ratio_line(cluster: str, model: str, case: dict,
-                ratio: float | None) -> str:
+def _ratio_line(label: str, case: dict, ratio: float | None) -> str:
     """"ratio even/balanced [cluster, model]: 1.52x (gap 2.5x, target ...)"."""
     if ratio is None:
         why = "even split runs out of memory" if not case["even"].feasible \
             else "balanced plan runs out of memory"
-        return (f"ratio even/balanced [{cluster}, {model}]: n/a ({why}; "
+        return (f"ratio even/balanced [{label}]: n/a ({why}; "
                 f"balanced {'fits' if case['balanced'].feasible else 'OOM'})")
     if case["gap"] >= 2:
         verdict = "meets" if ratio >= TARGET else "MISSES"
@@ -120,7 +154,7 @@ def _ratio_line(cluster: str, model: str, case: dict,
                        f"{case['comm']:.0%} of the even split's step")
     else:
         target = "gap < 2x: no target"
-    return (f"ratio even/balanced [{cluster}, {model}]: {ratio:.2f}x "
+    return (f"ratio even/balanced [{label}]: {ratio:.2f}x "
             f"(capability gap {case['gap']:.2f}x, {target})")
 
 
@@ -152,7 +186,16 @@ def main() -> int:
     start = time.perf_counter()
     print(f"Planner: predicted step time, even split vs balanced by "
           f"capability ({DTYPE} compute, adam)")
+    print("1. one 100 Gb/s NIC per host (the profiles' default)")
     for line in mixed_clusters():
+        print(line)
+    print()
+    print("2. published networks: A100 hosts like a DGX A100 (one 200 Gb/s "
+          "HDR NIC per GPU), V100 hosts like a DGX-1 (4 x 100 Gb/s EDR), "
+          "T4 hosts 1 x 100 Gb/s")
+    for cluster_name, cluster in NETWORKED_CLUSTERS:
+        print(f"  {cluster_name}: {cluster}")
+    for line in mixed_clusters(NETWORKED_CLUSTERS, "published networks"):
         print(line)
     print()
     for line in m6_10t():

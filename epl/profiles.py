@@ -11,7 +11,8 @@ other devices in the same host and to other hosts.  This module holds
   `cluster.device_profiles`;
 - `detect_profile`, which maps TensorFlow device names and physical device
   descriptions to profiles;
-- `parse_cluster`, which reads cluster strings such as "2x8xV100-32GB,2x8xT4";
+- `parse_cluster`, which reads cluster strings such as "2x8xV100-32GB,2x8xT4"
+  or "2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps" (with each host's network);
 - `virtual_cpu_profiles`, which lets tests make virtual CPU devices stand for
   a mixed cluster.
 
@@ -32,9 +33,23 @@ Conventions and decisions
 - Memory bandwidths are the datasheet figures in decimal bytes per second.
 - Link bandwidths are per direction, which is what a ring all-reduce uses:
   half of the bidirectional totals on NVIDIA's datasheets (NVLink, PCIe).
-- Inter-node bandwidth defaults to 100 Gb/s (12.5 GB/s) for every profile,
-  a typical RDMA NIC per host; override it through `cluster.device_profiles`
-  where the cluster has more (for example 4x200 Gb/s InfiniBand per host).
+- A profile's inter-node bandwidth is the rate of one network interface
+  (NIC) of its host, 100 Gb/s (12.5 GB/s) for every profile: a typical RDMA
+  NIC.  A host's network is a `HostNetwork`: NICs x rate, by default one NIC
+  at the profile's inter_node_bandwidth.  Cluster strings give it per token
+  ("2x8xA100-80GB@8x200Gbps"); `cluster.device_profiles` can change the
+  per-NIC default of a profile.  Published figures for common servers (per
+  host, compute fabric only, storage and management NICs not counted):
+  NVIDIA DGX A100: 8 x 200 Gb/s HDR InfiniBand (eight single-port
+  ConnectX-6 VPI, one per GPU; DGX A100 datasheet and User Guide
+  DU-09821-001, "Component Specifications"; the storage/management NICs are
+  extra); NVIDIA DGX-1 with V100: 4 x 100 Gb/s EDR InfiniBand (NVIDIA DGX-1
+  with Tesla V100 System Architecture white paper: "four 100 Gb InfiniBand
+  network interface cards"); NVIDIA DGX-2 (16 x V100): 8 x 100 Gb/s EDR
+  InfiniBand (DGX-2 datasheet); T4 servers: at most 100 Gb/s per host, e.g.
+  Google Cloud N1 VMs with T4 GPUs "up to 100 Gbps"
+  (cloud.google.com/compute/docs/gpus/gpu-network-bandwidth) and AWS
+  g4dn.12xlarge (4 x T4) 50 Gbps (AWS Batch user guide, GPU jobs).
 - Aliases choose the variant with the smaller memory where one name covers
   several ("V100" -> "V100-16GB", "A100" -> "A100-40GB") so that a plan made
   with the alias never needs more memory than the device has; "H100" ->
@@ -63,6 +78,8 @@ TFLOPS = 10**12
 
 #: Default inter-node bandwidth: one 100 Gb/s NIC per host, in bytes/s.
 DEFAULT_INTER_NODE_BANDWIDTH = 100e9 / 8
+#: Gb/s (network rates are quoted in bits) in bytes/s.
+GBIT_S = 1e9 / 8
 #: PCIe 3.0 x16, per direction (datasheets quote 32 GB/s bidirectional).
 PCIE3_X16 = 16 * GB
 #: PCIe 4.0 x16, per direction (datasheets quote 64 GB/s bidirectional).
@@ -159,16 +176,70 @@ class DeviceProfile:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostNetwork:
+    """A host's network to other hosts: `nics` interfaces of `nic_bandwidth`.
+
+    Attributes:
+        nics: network interfaces (NICs) the host's devices use to reach
+            other hosts (the compute fabric; storage NICs do not count).
+        nic_bandwidth: per-direction bytes/s of one NIC.
+    """
+
+    nics: int
+    nic_bandwidth: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nics, bool) or not isinstance(self.nics, int) \
+                or self.nics < 1:
+            raise ClusterError(f"a host network needs at least one NIC, got "
+                               f"{self.nics!r}")
+        if isinstance(self.nic_bandwidth, bool) or not isinstance(
+                self.nic_bandwidth, (int, float)) or \
+                not 0 < self.nic_bandwidth < float("inf"):
+            raise ClusterError(f"a NIC's bandwidth must be a positive number "
+                               f"of bytes/s, got {self.nic_bandwidth!r}")
+        object.__setattr__(self, "nic_bandwidth", float(self.nic_bandwidth))
+
+    @property
+    def bandwidth(self) -> float:
+        """Per-direction bytes/s of all the host's NICs together."""
+        return self.nics * self.nic_bandwidth
+
+    def __str__(self) -> str:
+        """"8 x 200 Gb/s (200.0 GB/s)"."""
+        return (f"{self.nics} x {self.nic_bandwidth / GBIT_S:g} Gb/s "
+                f"({self.bandwidth / GB:.1f} GB/s)")
+
+
+@dataclasses.dataclass(frozen=True)
 class HostSpec:
-    """One host of a cluster: `devices` devices of one `profile`."""
+    """One host of a cluster: `devices` devices of one `profile`.
+
+    `network` is the host's network to other hosts; None (the default)
+    stands for one NIC at the profile's inter_node_bandwidth and is
+    replaced by that HostNetwork, so that HostSpec(p, 8) equals
+    HostSpec(p, 8, HostNetwork(1, p.inter_node_bandwidth)).
+    """
 
     profile: DeviceProfile
     devices: int
+    network: HostNetwork | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or self.devices < 1:
             raise ClusterError(
                 f"a host needs at least one device, got {self.devices!r}")
+        if self.network is None:
+            object.__setattr__(self, "network", HostNetwork(
+                1, self.profile.inter_node_bandwidth))
+        elif not isinstance(self.network, HostNetwork):
+            raise ClusterError(f"a host's network must be a HostNetwork, got "
+                               f"{self.network!r}")
+
+    @property
+    def network_bandwidth(self) -> float:
+        """Per-direction bytes/s of the host's network (all its NICs)."""
+        return self.network.bandwidth
 
 
 def normalize_dtype(dtype: Any) -> str:
@@ -643,9 +714,19 @@ def detect_profile(device_name: str, physical_description: str = "",
 # --------------------------------------------------------------------------
 
 _CLUSTER_FORM = ("expected comma-separated tokens of the form "
-                 "[HOSTS x] [DEVICES_PER_HOST x] PROFILE, e.g. "
-                 "'2x8xV100-32GB,2x8xT4', '8xA100' or 'V100'")
+                 "[HOSTS x] [DEVICES_PER_HOST x] PROFILE [@ [NICS x] RATE], "
+                 "e.g. '2x8xV100-32GB,2x8xT4', '8xA100', 'V100' or "
+                 "'2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps'; RATE is one "
+                 "NIC's rate in Gbps or Gb/s (bits) or GBps or GB/s (bytes), "
+                 "NICS defaults to 1")
 _TOKEN = re.compile(r"\s*(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?(.*?)\s*$")
+#: A host network after "@": [NICS x] RATE with a G-prefixed unit; the case
+#: of "b" tells bits ("Gbps", "Gb/s") from bytes ("GBps", "GB/s").
+_NETWORK = re.compile(r"\s*(?:(\d+)\s*[xX*]\s*)?"
+                      r"(([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+                      r"[gG]([bB])(?:[pP][sS]|/[sS]))\s*$")
+_NETWORK_FORM = ("a host network is [NICS x] RATE after '@', e.g. "
+                 "'@8x200Gbps', '@4x100Gb/s', '@25GB/s'")
 
 
 def _caret_error(spec: str, start: int, end: int, why: str) -> ClusterError:
@@ -658,11 +739,17 @@ def _caret_error(spec: str, start: int, end: int, why: str) -> ClusterError:
 def _parse_token(spec: str, start: int, token: str,
                  overrides: Mapping | None) -> list[HostSpec]:
     """HostSpecs of one token that starts at `start` in `spec`."""
-    stripped = token.strip()
+    hosts_part, at, network_part = token.partition("@")
+    stripped = hosts_part.strip()
     if not stripped:
+        if at:
+            first = start + token.index("@")
+            raise _caret_error(spec, first, first + len(token.strip()),
+                               f"token {token.strip()!r} names no profile "
+                               f"before '@'")
         raise _caret_error(spec, start, start + len(token), "empty token")
-    first = start + token.index(stripped[0])
-    match = _TOKEN.fullmatch(token)
+    first = start + hosts_part.index(stripped[0])
+    match = _TOKEN.fullmatch(hosts_part)
     counts = [int(c) for c in match.group(1, 2) if c is not None]
     name, name_at = match.group(3), start + match.start(3)
     if not name or name.isdigit() or re.match(r"\d+\s*[xX*]", name):
@@ -677,8 +764,40 @@ def _parse_token(spec: str, start: int, token: str,
     except ClusterError as err:
         raise _caret_error(spec, name_at, name_at + len(name),
                            str(err)) from None
+    network = _parse_network(spec, start + len(hosts_part) + 1,
+                             network_part) if at else None
     hosts, devices = ([1, 1] + counts)[-2:]
-    return [HostSpec(profile, devices) for _ in range(hosts)]
+    return [HostSpec(profile, devices, network) for _ in range(hosts)]
+
+
+def _parse_network(spec: str, start: int, text: str) -> HostNetwork:
+    """The HostNetwork of the text after a token's "@" (at `start`)."""
+    stripped = text.strip()
+    if not stripped:
+        raise _caret_error(spec, start - 1, start,
+                           f"no network after '@'; {_NETWORK_FORM}")
+    first = start + text.index(stripped[0])
+    if "@" in text:
+        second = start + text.index("@")
+        raise _caret_error(spec, second, second + 1,
+                           f"a token has at most one '@' (before its hosts' "
+                           f"network); {_NETWORK_FORM}")
+    match = _NETWORK.fullmatch(text)
+    if match is None:
+        raise _caret_error(spec, first, first + len(stripped),
+                           f"cannot read the host network {stripped!r}; "
+                           f"{_NETWORK_FORM}")
+    nics = int(match.group(1)) if match.group(1) is not None else 1
+    if nics < 1:
+        raise _caret_error(spec, first, start + match.start(2),
+                           f"a host needs at least one NIC, got {nics} in "
+                           f"{stripped!r}")
+    rate = float(match.group(3)) * (GBIT_S if match.group(4) == "b" else GB)
+    if not 0 < rate < float("inf"):
+        raise _caret_error(spec, start + match.start(2), start + match.end(2),
+                           f"a NIC's rate must be positive, got "
+                           f"{match.group(2)!r}")
+    return HostNetwork(nics, rate)
 
 
 def parse_cluster(spec: str, overrides: Mapping[str, Any] | None = None
@@ -689,15 +808,23 @@ def parse_cluster(spec: str, overrides: Mapping[str, Any] | None = None
         spec: comma-separated tokens "HxDxPROFILE" (H hosts with D devices
             each), "DxPROFILE" (one host with D devices) or "PROFILE" (one
             host with one device); "x", "X" or "*" separate the counts.
-            E.g. "2x8xV100-32GB,2x8xT4" is four hosts.
+            E.g. "2x8xV100-32GB,2x8xT4" is four hosts.  A token may end
+            with the network of each of its hosts, "@NxRATE" (N NICs of
+            RATE each) or "@RATE" (one NIC): RATE is a number with "Gbps"
+            or "Gb/s" (gigabits per second) or "GBps" or "GB/s" (gigabytes
+            per second); the letters are case-insensitive except "b" (bits)
+            and "B" (bytes).  E.g. "2x8xA100-80GB@8x200Gbps,2x8xT4@100Gbps".
+            Without one, a host has one NIC at its profile's
+            inter_node_bandwidth.
         overrides: `cluster.device_profiles`, see `get_profile`.
 
     Returns:
         The hosts in the order given.
 
     Raises:
-        ClusterError: a token does not parse or names an unknown profile;
-            the message quotes the spec with carets under the bad part.
+        ClusterError: a token does not parse, names an unknown profile or
+            has a bad network; the message quotes the spec with carets
+            under the bad part and gives the accepted form.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ClusterError(f"empty cluster spec {spec!r}; {_CLUSTER_FORM}")

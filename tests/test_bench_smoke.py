@@ -56,3 +56,21 @@ def test_large_softmax_quick_prints_ratio_lines(capsys, keep_epl_config):
     split_grads = result["grad_bytes"]["split"]
     assert len(split_grads) == 4 and len(set(split_grads.values())) == 1
     assert result["memory_ratio"] <= 0.3
+
+
+def test_planner_bench_prints_both_tables(capsys):
+    import planner as planner_bench
+    assert planner_bench.main() == 0
+    out = capsys.readouterr().out
+    assert "1. one 100 Gb/s NIC per host (the profiles' default)" in out
+    assert "2. published networks:" in out
+    for cluster, _ in planner_bench.CLUSTERS:
+        for model, _ in planner_bench.MODELS:
+            for tag in ("", ", published networks"):
+                assert re.search(rf"^ratio even/balanced \[{re.escape(cluster)}, "
+                                 rf"{model}{tag}\]: \d+\.\d\dx \(capability gap",
+                                 out, re.M), (cluster, model, tag)
+    summaries = re.findall(r"^target >= 1\.3 where the gap is >= 2x.*: (\d+) of (\d+) "
+                           r"rows meet", out, re.M)
+    assert len(summaries) == 2
+    assert out.count("balanced plans out of memory where the even split fits: 0") == 2

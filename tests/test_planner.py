@@ -304,6 +304,114 @@ def test_split_layers_shard_units_by_capability():
     assert [l.shards for l in even] == [4, 4, 4, 4]
 
 
+# ---------------------------------------------------------- host networks --
+
+EVEN = "data-parallel, even split"
+
+
+def _comm(spec, model, batch=64):
+    """Each device's communication seconds under the even split."""
+    plan = plan_cluster(model, spec, "sgd", batch)
+    return [load.comm_s for load in plan.alternative(EVEN).loads]
+
+
+def _allreduce_model(params_gb=1.0):
+    """Replicated parameters only: communication is the gradient ring."""
+    return _model(layers=2, params_gb=params_gb / 2, act_gb=0.001)
+
+
+@pytest.mark.parametrize("network, bandwidth", [
+    ("", 12.5e9),                 # default: one 100 Gb/s NIC per host
+    ("@1x100Gbps", 12.5e9),
+    ("@8x200Gbps", 200e9),        # a DGX A100's compute fabric
+    ("@4x100Gb/s", 50e9),         # a DGX-1's
+    ("@25GB/s", 25e9),
+])
+def test_allreduce_across_hosts_runs_at_the_host_network(network, bandwidth):
+    # 2 hosts x 4 A100s (NVLink 300 GB/s, faster than any network here):
+    # 2 (n - 1) / n x bytes / (NICs x rate), n = 8.
+    comm = _comm(f"2x4xA100-40GB{network}", _allreduce_model())
+    expected = 2 * 7 / 8 * GiB / bandwidth
+    assert comm == pytest.approx([expected] * 8, rel=1e-9)
+
+
+def test_allreduce_is_bound_by_the_slowest_host_or_a_slower_intra_link():
+    model = _allreduce_model()
+    mixed = _comm("1x4xA100-40GB@8x200Gbps,1x4xV100-32GB@4x100Gbps", model)
+    assert mixed == pytest.approx([2 * 7 / 8 * GiB / 50e9] * 8, rel=1e-9)
+    # T4s talk over PCIe 3 (16 GB/s): four 100 Gb/s NICs (50 GB/s) cannot
+    # make the ring faster than that.
+    pcie = _comm("2x2xT4@4x100Gbps", model)
+    assert pcie == pytest.approx([2 * 3 / 4 * GiB / 16e9] * 4, rel=1e-9)
+    plan = plan_cluster(model, "2x2xT4@4x100Gbps", "sgd", 64)
+    assert "slowest link 16.0 GB/s (intra-node)" in plan.explain()
+    # one device per host: no intra-node link in the ring
+    single = _comm("2x1xT4@4x100Gbps", model)
+    assert single == pytest.approx([GiB / 50e9] * 2, rel=1e-9)
+
+
+def _moe_model(alltoall_mb=64.0):
+    """Split (expert) layers only, no replicated parameters: communication
+    is the expert all-to-all."""
+    layer = LayerSpec("moe", flops_per_example=1e9,
+                      split_parameter_bytes=0.01 * GiB,
+                      split_flops_per_example=1e9,
+                      alltoall_bytes_per_example=alltoall_mb * 2**20)
+    return ModelSpec("moe", (layer,) * 2, split_units=8)
+
+
+@pytest.mark.parametrize("network, bandwidth", [
+    ("", 12.5e9), ("@2x100Gbps", 25e9), ("@4x100Gbps", 50e9)])
+def test_alltoall_leaves_the_host_through_its_network(network, bandwidth):
+    # 2 hosts x 2 T4s, 16 examples per device: each device sends
+    # (n - local) / n = 1/2 of its bytes to the other host, through the
+    # host's network shared by its 2 devices; the intra-node part,
+    # (local - 1) / n = 1/4 over PCIe 3 (16 GB/s), takes less time.
+    comm = _comm(f"2x2xT4{network}", _moe_model())
+    per_example = 2 * 64 * 2**20
+    inter = per_example * 2 / 4 / (bandwidth / 2)
+    intra = per_example * 1 / 4 / 16e9
+    assert inter > intra
+    assert comm == pytest.approx([16 * inter] * 4, rel=1e-9)
+
+
+def test_alltoall_is_bound_by_the_slowest_host_network():
+    fast_slow = _comm("1x2xT4@8x200Gbps,1x2xT4@1x100Gbps", _moe_model())
+    slow = _comm("2x2xT4@1x100Gbps", _moe_model())
+    assert fast_slow == pytest.approx(slow, rel=1e-9)
+
+
+def test_more_network_makes_the_balanced_moe_plan_faster():
+    model = epl_plan.builtin_model("m6-mini", "float16")
+    options = PlanOptions(compute_dtype="float16")
+    one = plan_cluster(model, "1x8xA100-40GB,1x8xV100-32GB", "adam", 1024,
+                       options)
+    dgx = plan_cluster(model, "1x8xA100-40GB@8x200Gbps,"
+                              "1x8xV100-32GB@4x100Gbps", "adam", 1024,
+                       options)
+    for name in (EVEN, "data-parallel, balanced by capability"):
+        assert dgx.alternative(name).step_time < \
+            one.alternative(name).step_time
+
+
+def test_explain_prints_each_host_groups_network():
+    plan = plan_cluster(_model(), "2x2xA100-40GB@8x200Gbps,1x2xT4,"
+                                  "1x2xT4@1x100Gbps", "sgd", 64)
+    lines = plan.explain().splitlines()
+    assert lines[2] == ("Network per host: hosts 0-1: 8 x 200 Gb/s (200.0 "
+                        "GB/s); hosts 2-3: 1 x 100 Gb/s (12.5 GB/s)")
+    single = plan_cluster(_model(), "1x2xT4", "sgd", 8).explain()
+    assert single.splitlines()[2] == ("Network per host: host 0: 1 x 100 "
+                                      "Gb/s (12.5 GB/s); one host: not used")
+
+
+def test_remedies_keep_the_host_network():
+    from epl.planner.planner import _hosts_of, cluster_devices
+    from epl.profiles import parse_cluster
+    hosts = parse_cluster("1x2xA100-40GB@8x200Gbps,2x2xT4@2x100Gbps")
+    assert _hosts_of(cluster_devices(hosts)) == hosts
+
+
 # ------------------------------------------------------------ from graphs --
 
 def _one_stage_graph(batch=12):
@@ -421,6 +529,27 @@ def test_cli_plans_bert_base_on_a_mixed_cluster(capsys):
     assert re.search(r"^4-7\s+1\s+T4\s+22\s", out, re.M)
     assert "Chosen plan: data-parallel, balanced by capability" in out
     assert "data-parallel, even split" in out
+
+
+def test_cli_prints_the_host_networks(capsys):
+    code, out, err = _cli(capsys, "--cluster",
+                          "1x8xA100-40GB@8x200Gbps,1x8xV100-32GB@4x100Gbps",
+                          "--model", "m6-mini", "--dtype", "float16")
+    assert code == 0, err
+    assert ("Cluster: 2 host(s), 16 devices (host 0: 8 x A100-40GB; host 1: "
+            "8 x V100-32GB); slowest link 50.0 GB/s (inter-node)") in out
+    assert ("Network per host: host 0: 8 x 200 Gb/s (200.0 GB/s); host 1: "
+            "4 x 100 Gb/s (50.0 GB/s)") in out
+
+
+def test_cli_bad_network_points_at_it(capsys):
+    code, out, err = _cli(capsys, "--cluster", "2x8xA100@8x200",
+                          "--model", "bert-base")
+    assert code == 2 and out == ""
+    assert err.startswith("epl-plan: error: cannot parse cluster spec "
+                          "'2x8xA100@8x200':\n  2x8xA100@8x200\n"
+                          "           ^^^^^\ncannot read the host network "
+                          "'8x200'; a host network is [NICS x] RATE")
 
 
 def test_cli_bad_cluster_spec_points_at_the_token(capsys):

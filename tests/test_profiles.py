@@ -6,8 +6,9 @@ import pytest
 
 from epl import profiles
 from epl.errors import ClusterError, ConfigError
-from epl.profiles import (DeviceProfile, HostSpec, detect_profile,
-                          get_profile, parse_cluster, virtual_cpu_profiles)
+from epl.profiles import (DeviceProfile, HostNetwork, HostSpec,
+                          detect_profile, get_profile, parse_cluster,
+                          virtual_cpu_profiles)
 
 GiB = 2**30
 TERA = 1e12
@@ -193,8 +194,13 @@ def test_parse_cluster_uses_overrides():
 
 
 FORM = ("expected comma-separated tokens of the form [HOSTS x] "
-        "[DEVICES_PER_HOST x] PROFILE, e.g. '2x8xV100-32GB,2x8xT4', "
-        "'8xA100' or 'V100'")
+        "[DEVICES_PER_HOST x] PROFILE [@ [NICS x] RATE], e.g. "
+        "'2x8xV100-32GB,2x8xT4', '8xA100', 'V100' or "
+        "'2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps'; RATE is one NIC's "
+        "rate in Gbps or Gb/s (bits) or GBps or GB/s (bytes), NICS "
+        "defaults to 1")
+NETWORK_FORM = ("a host network is [NICS x] RATE after '@', e.g. "
+                "'@8x200Gbps', '@4x100Gb/s', '@25GB/s'")
 
 
 def test_parse_cluster_bad_token_caret():
@@ -232,6 +238,77 @@ def test_parse_cluster_empty():
 def test_host_spec_needs_a_device():
     with pytest.raises(ClusterError, match="at least one device"):
         HostSpec(get_profile("T4"), 0)
+
+
+# ------------------------------------------------------------ host networks --
+
+def test_host_network_defaults_to_one_nic_at_the_profile_rate():
+    t4 = get_profile("T4")
+    (host,) = parse_cluster("8xT4")
+    assert host.network == HostNetwork(1, t4.inter_node_bandwidth)
+    assert host.network_bandwidth == profiles.DEFAULT_INTER_NODE_BANDWIDTH
+    assert HostSpec(t4, 8) == HostSpec(t4, 8, HostNetwork(1, 12.5e9))
+    overrides = {"T4": {"inter_node_bandwidth": "25Gb/s"}}
+    (host,) = parse_cluster("8xT4", overrides)
+    assert host.network == HostNetwork(1, 25e9 / 8)
+
+
+@pytest.mark.parametrize("spec, nics, nic_bytes_per_s", [
+    ("2x8xA100-80GB@8x200Gbps", 8, 25e9),
+    ("8xV100@4x100Gb/s", 4, 12.5e9),
+    ("8xV100 @ 4 X 100 gbps", 4, 12.5e9),
+    ("8xV100@4*100GB/S", 4, 100e9),
+    ("T4@100Gbps", 1, 12.5e9),
+    ("T4@25GBps", 1, 25e9),
+    ("T4@1x12.5GB/s", 1, 12.5e9),
+])
+def test_parse_cluster_reads_host_networks(spec, nics, nic_bytes_per_s):
+    hosts = parse_cluster(spec)
+    for host in hosts:
+        assert host.network.nics == nics
+        assert host.network.nic_bandwidth == pytest.approx(nic_bytes_per_s)
+        assert host.network_bandwidth == pytest.approx(nics * nic_bytes_per_s)
+
+
+def test_parse_cluster_networks_apply_per_token():
+    hosts = parse_cluster("2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps,1xV100")
+    assert [(h.profile.name, h.devices, h.network_bandwidth) for h in hosts] \
+        == [("A100-80GB", 8, 200e9), ("A100-80GB", 8, 200e9),
+            ("T4", 8, 12.5e9), ("T4", 8, 12.5e9), ("V100-16GB", 1, 12.5e9)]
+    assert str(hosts[0].network) == "8 x 200 Gb/s (200.0 GB/s)"
+
+
+@pytest.mark.parametrize("spec, carets, why", [
+    ("2x8xA100@", "          ^", f"no network after '@'; {NETWORK_FORM}"),
+    ("T4,2x8xA100@8x", "              ^^",
+     f"cannot read the host network '8x'; {NETWORK_FORM}"),
+    ("2x8xA100@200", "           ^^^",
+     f"cannot read the host network '200'; {NETWORK_FORM}"),
+    ("2x8xA100@8x200Mbps", "           ^^^^^^^^^",
+     f"cannot read the host network '8x200Mbps'; {NETWORK_FORM}"),
+    ("2x8xA100@0x200Gbps", "           ^^",
+     "a host needs at least one NIC, got 0 in '0x200Gbps'"),
+    ("T4@0Gbps", "     ^^^^^", "a NIC's rate must be positive, got '0Gbps'"),
+    ("T4@100Gbps@2", "            ^",
+     f"a token has at most one '@' (before its hosts' network); "
+     f"{NETWORK_FORM}"),
+    ("T4, @100Gbps", "      ^^^^^^^^",
+     "token '@100Gbps' names no profile before '@'"),
+])
+def test_parse_cluster_bad_network_exact_message(spec, carets, why):
+    with pytest.raises(ClusterError) as info:
+        parse_cluster(spec)
+    assert str(info.value) == (f"cannot parse cluster spec {spec!r}:\n"
+                               f"  {spec}\n{carets}\n{why}\n{FORM}")
+
+
+def test_host_network_checks_its_values():
+    with pytest.raises(ClusterError, match="at least one NIC"):
+        HostNetwork(0, 12.5e9)
+    with pytest.raises(ClusterError, match="positive number of bytes/s"):
+        HostNetwork(1, 0.0)
+    with pytest.raises(ClusterError, match="must be a HostNetwork"):
+        HostSpec(get_profile("T4"), 1, 12.5e9)
 
 
 @pytest.mark.parametrize("description, name", [

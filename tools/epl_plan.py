@@ -6,7 +6,12 @@
              [--micro-batches M] [--efficiency E] [--profiles JSON]
 
 SPEC is a cluster string such as "2x8xV100-32GB,2x8xT4" (HOSTS x DEVICES x
-PROFILE tokens; see epl.profiles.parse_cluster).  The model comes from
+PROFILE tokens; see epl.profiles.parse_cluster).  A token may end with its
+hosts' network, "@NICSxRATE" or "@RATE" with RATE in Gbps, Gb/s, GBps or
+GB/s, e.g. "2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps" (DGX A100-like hosts
+with eight 200 Gb/s NICs each, T4 hosts with one 100 Gb/s NIC); without
+one, a host has one NIC at its profile's inter-node bandwidth (100 Gb/s).
+The model comes from
 
 - ``--model NAME``: a built-in synthetic description, so that the tool runs
   with nothing else: "bert-base" (12-layer BERT, sequence 128),
@@ -24,11 +29,12 @@ PROFILE tokens; see epl.profiles.parse_cluster).  The model comes from
   built is planned, with its epl.init config's ``cluster.device_profiles``
   as profile overrides.  Arguments after ``--`` go to the script.
 
-It prints the model and cluster, the chosen plan with a per-device table
-(batch share, shards, stage, parameter, gradient, optimizer-state and
-activation memory against the usable memory, predicted compute and
-communication time per step), and every alternative it considered with its
-predicted step time or the constraint that ruled it out.
+It prints the model, the cluster and each host group's network, the chosen
+plan with a per-device table (batch share, shards, stage, parameter,
+gradient, optimizer-state and activation memory against the usable memory,
+predicted compute and communication time per step), and every alternative
+it considered with its predicted step time or the constraint that ruled it
+out.
 
 Errors (a cluster string that does not parse, an unknown device profile, a
 model that fits nowhere, a missing or unreadable file, a script that builds
@@ -381,7 +387,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Dry-run planner: per-device work, memory and predicted "
                     "time of a model on a cluster, with no accelerator.")
     parser.add_argument("--cluster", required=True,
-                        help='cluster string, e.g. "2x8xV100-32GB,2x8xT4"')
+                        help='cluster string, e.g. "2x8xV100-32GB,2x8xT4"; '
+                             'a token may end with its hosts\' network, '
+                             '"@NICSxRATE": "2x8xA100-80GB@8x200Gbps,'
+                             '2x8xT4@1x100Gbps" (default: one 100 Gb/s NIC '
+                             'per host)')
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="built-in model: "
                         + ", ".join(sorted(BUILTIN_MODELS)))

@@ -46,15 +46,27 @@ The model of one device
   the device's FLOPs and bytes: its examples' forward and backward, its
   experts' share, and the optimizer update of the parameters it updates.
 - Communication: a ring all-reduce of the replicated gradients over the
-  data-parallel devices (`cost_model.comm_time`) at the slowest link among
-  them (the inter-node link when they span hosts); the expert all-to-all
+  data-parallel devices (`cost_model.comm_time`) at the bandwidth of the
+  link that bounds the ring (`_slowest_link`); the expert all-to-all
   (dispatch and combine, forward and backward): each device's tokens
   spread evenly over all devices, the part leaving the host through the
-  host's network link, which its devices share (profiles give one NIC per
-  host); offload
-  traffic over `host_link_bandwidth` (parameters in for the forward and the
-  backward, gradients out).  Communication is not overlapped with compute,
-  so predicted step times are upper bounds.
+  host's network, which its devices share; offload traffic over
+  `host_link_bandwidth` (parameters in for the forward and the backward,
+  gradients out).  Communication is not overlapped with compute, so
+  predicted step times are upper bounds.
+- The network: each host has `HostSpec.network`, k NICs of some rate (from
+  the cluster string, "8xA100@8x200Gbps"; by default one NIC at the
+  profile's inter_node_bandwidth, 100 Gb/s).  Its bandwidth is k x rate per
+  direction.  A ring all-reduce across hosts crosses every host boundary;
+  with k NICs per host NCCL runs k rings side by side, one per NIC, so the
+  crossings go k times faster: the ring runs at the slowest host's network
+  bandwidth (or at the slowest intra-node link of a host holding several
+  of the ring's devices, if that is slower).  In the all-to-all, a
+  device's bytes for other hosts go at the slowest host's network
+  bandwidth divided by the number of devices on the device's own host,
+  which share it (every host sends to and receives from every other host,
+  so the slowest one's NICs bind).  The network's latency, congestion and
+  topology (switch tiers, oversubscription) are not modelled.
 - Pipeline: a step takes (micro-batches + stages - 1) x the slowest stage's
   time per micro-batch (GPipe/1F1B bubble), stage s keeps
   min(stages - s, micro-batches) micro-batches' activations alive; the
@@ -79,7 +91,7 @@ from epl.errors import ClusterError, ConfigError
 from epl.planner import balance
 from epl.planner import cost_model as cm
 from epl.planner.balance import GiB, gb, index_ranges
-from epl.profiles import (PCIE3_X16, DeviceProfile, HostSpec,
+from epl.profiles import (PCIE3_X16, DeviceProfile, HostNetwork, HostSpec,
                           normalize_dtype, parse_cluster)
 
 #: Usable share of a device's memory (the runtime and CUDA context take
@@ -568,12 +580,20 @@ def _structural_phases(graph: Any) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterDevice:
-    """One device of the cluster: global index, host, index in the host."""
+    """One device of the cluster: global index, host, index in the host,
+    profile, and its host's network (None: one NIC at the profile's
+    inter_node_bandwidth, as HostSpec's default)."""
 
     index: int
     host: int
     local: int
     profile: DeviceProfile
+    network: HostNetwork | None = None
+
+    def __post_init__(self) -> None:
+        if self.network is None:
+            object.__setattr__(self, "network", HostNetwork(
+                1, self.profile.inter_node_bandwidth))
 
 
 def cluster_devices(hosts: Sequence[HostSpec]) -> list[ClusterDevice]:
@@ -581,7 +601,8 @@ def cluster_devices(hosts: Sequence[HostSpec]) -> list[ClusterDevice]:
     devices = []
     for h, host in enumerate(hosts):
         for local in range(host.devices):
-            devices.append(ClusterDevice(len(devices), h, local, host.profile))
+            devices.append(ClusterDevice(len(devices), h, local, host.profile,
+                                         host.network))
     if not devices:
         raise ClusterError("the cluster has no devices")
     return devices
@@ -803,9 +824,9 @@ class _Context:
         return sizes
 
     @functools.cached_property
-    def slowest_nic(self) -> float:
-        """The slowest host network link (bytes/s)."""
-        return min(d.profile.inter_node_bandwidth for d in self.devices)
+    def slowest_network(self) -> float:
+        """The slowest host's network (all its NICs), bytes/s per direction."""
+        return min(d.network.bandwidth for d in self.devices)
 
     def usable(self, device: ClusterDevice) -> float:
         """Bytes a plan may use on `device`."""
@@ -832,11 +853,27 @@ class _Context:
 
 
 def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
-    """(bytes/s, "inter-node" or "intra-node") of the slowest ring link."""
-    if len({d.host for d in devices}) > 1:
-        return min(d.profile.inter_node_bandwidth for d in devices), \
-            "inter-node"
-    return min(d.profile.intra_node_bandwidth for d in devices), "intra-node"
+    """(bytes/s, "inter-node" or "intra-node") that bounds a ring all-reduce
+    over `devices`.
+
+    Within one host: the slowest device's intra-node link.  Across hosts:
+    NCCL runs one ring per NIC, each crossing every host boundary through
+    its own NIC, so the crossings go at the host's whole network bandwidth
+    (NICs x rate); the slowest host's network binds, unless the intra-node
+    link of a host with several of the devices is slower still.
+    """
+    per_host: dict[int, int] = {}
+    for device in devices:
+        per_host[device.host] = per_host.get(device.host, 0) + 1
+    if len(per_host) == 1:
+        return min(d.profile.intra_node_bandwidth for d in devices), \
+            "intra-node"
+    network = min(d.network.bandwidth for d in devices)
+    intra = [d.profile.intra_node_bandwidth for d in devices
+             if per_host[d.host] > 1]
+    if intra and min(intra) < network:
+        return min(intra), "intra-node"
+    return network, "inter-node"
 
 
 def _alltoall_per_example(ctx: _Context, totals: _Totals,
@@ -845,8 +882,9 @@ def _alltoall_per_example(ctx: _Context, totals: _Totals,
 
     Its tokens go evenly to all n devices: (local - 1)/n of the bytes to the
     other devices of its host over the intra-node link, (n - local)/n to
-    other hosts through the host's network link (the slowest host's), which
-    the host's `local` devices share; both directions run at once.
+    other hosts through the host's network (all its NICs; the slowest
+    host's, since every host sends to and receives from every other),
+    which the host's `local` devices share; both directions run at once.
     """
     n = len(ctx.devices)
     if n <= 1 or not totals.alltoall:
@@ -855,7 +893,7 @@ def _alltoall_per_example(ctx: _Context, totals: _Totals,
     intra = totals.alltoall * (local - 1) / n / \
         device.profile.intra_node_bandwidth
     inter = totals.alltoall * (n - local) / n / (
-        ctx.slowest_nic / local) if n > local else 0.0
+        ctx.slowest_network / local) if n > local else 0.0
     return max(intra, inter)
 
 
@@ -1415,7 +1453,7 @@ def _hosts_of(devices: Sequence[ClusterDevice]) -> list[HostSpec]:
     counts: dict[int, list[ClusterDevice]] = {}
     for device in devices:
         counts.setdefault(device.host, []).append(device)
-    return [HostSpec(members[0].profile, len(members))
+    return [HostSpec(members[0].profile, len(members), members[0].network)
             for _, members in sorted(counts.items())]
 
 
@@ -1556,6 +1594,20 @@ def _cluster_line(plan: ClusterPlan) -> str:
             f"({kind})")
 
 
+def _network_line(plan: ClusterPlan) -> str:
+    """"Network per host: hosts 0-1: 8 x 200 Gb/s (200.0 GB/s); ..."."""
+    groups: list[tuple[list[int], HostNetwork]] = []
+    for h, host in enumerate(plan.hosts):
+        if groups and groups[-1][1] == host.network:
+            groups[-1][0].append(h)
+        else:
+            groups.append(([h], host.network))
+    parts = [f"host{'s' if len(hs) > 1 else ''} {index_ranges(hs)}: "
+             f"{network}" for hs, network in groups]
+    unused = "; one host: not used" if len(plan.hosts) == 1 else ""
+    return f"Network per host: {'; '.join(parts)}{unused}"
+
+
 def _model_line(plan: ClusterPlan) -> str:
     """One line describing the model."""
     m = plan.model
@@ -1592,7 +1644,8 @@ def _alternative_line(plan: ClusterPlan, alt: Alternative) -> str:
 def _explain(plan: ClusterPlan) -> str:
     """The text of ClusterPlan.explain()."""
     chosen = plan.chosen
-    lines = [_model_line(plan), _cluster_line(plan), ""]
+    lines = [_model_line(plan), _cluster_line(plan), _network_line(plan),
+             ""]
     lines.append(f"Chosen plan: {chosen.name}: predicted step "
                  f"{_ms(chosen.step_time)} ms (slowest device: compute "
                  f"{_ms(max(l.compute_s for l in chosen.loads))} ms, "
