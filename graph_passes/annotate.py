@@ -5,6 +5,10 @@ and apply ops, but ops built outside any scope (and the phase of forward ops)
 are only known after analysis (epl.ir.graph_view). This pass writes the
 analysed TaskGraph and Phase into each op's `_epl_taskgraph` / `_epl_phase`
 attributes, so every later pass, the dumps and the verifier read one source.
+
+It runs first, on the graph analysis read, so it compares with the attribute
+values analysis read (`view.tags`) instead of reading every NodeDef again, and
+writes only the attributes that differ.
 """
 from __future__ import annotations
 
@@ -14,12 +18,8 @@ from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
 
-def _set_string(op: tf.Operation, name: str, value: str) -> bool:
-    current = op.node_def.attr.get(name)
-    if current is not None and current.s.decode() == value:
-        return False
-    op._set_attr(name, tf.compat.v1.AttrValue(s=value.encode()))
-    return True
+def _string_attr(value: str) -> tf.compat.v1.AttrValue:
+    return tf.compat.v1.AttrValue(s=value.encode())
 
 
 class AnnotatePass(GraphPass):
@@ -30,10 +30,18 @@ class AnnotatePass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view = ctx.view
+        values: dict = {}  # one AttrValue per distinct string
         changed = 0
         for op in graph.get_operations():
-            changed += _set_string(op, TASKGRAPH_ATTR, view.taskgraph_of[op].name)
-            changed += _set_string(op, PHASE_ATTR, view.phase_of[op].value)
+            tags = view.tags[op]
+            for attr, current, wanted in ((TASKGRAPH_ATTR, tags.taskgraph, view.taskgraph_of[op].name),
+                                          (PHASE_ATTR, tags.phase, view.phase_of[op].value)):
+                if current != wanted:
+                    value = values.get(wanted)
+                    if value is None:
+                        value = values[wanted] = _string_attr(wanted)
+                    op._set_attr(attr, value)
+                    changed += 1
         counts = {}
         for phase in view.phase_of.values():
             counts[phase.value] = counts.get(phase.value, 0) + 1
