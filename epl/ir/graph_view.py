@@ -115,16 +115,20 @@ class TrainingView:
 
 def ancestors(roots, include_control: bool = True) -> set[tf.Operation]:
     """Every op that `roots` (ops) need, including themselves."""
-    seen: set[tf.Operation] = set()
-    stack = list(roots)
+    seen: set[tf.Operation] = set(roots)
+    stack = list(seen)
     while stack:
         op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
+        for tensor in op.inputs:
+            producer = tensor.op
+            if producer not in seen:
+                seen.add(producer)
+                stack.append(producer)
         if include_control:
-            stack.extend(op.control_inputs)
+            for producer in op.control_inputs:
+                if producer not in seen:
+                    seen.add(producer)
+                    stack.append(producer)
     return seen
 
 
