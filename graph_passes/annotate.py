@@ -15,11 +15,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
+from epl.ir.attrs import string_attr_setter
 from epl.pass_manager import GraphPass, PassContext, PassResult
-
-
-def _string_attr(value: str) -> tf.compat.v1.AttrValue:
-    return tf.compat.v1.AttrValue(s=value.encode())
 
 
 class AnnotatePass(GraphPass):
@@ -30,17 +27,16 @@ class AnnotatePass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view = ctx.view
-        values: dict = {}  # one AttrValue per distinct string
         changed = 0
-        for op in graph.get_operations():
-            tags = view.tags[op]
-            for attr, current, wanted in ((TASKGRAPH_ATTR, tags.taskgraph, view.taskgraph_of[op].name),
-                                          (PHASE_ATTR, tags.phase, view.phase_of[op].value)):
-                if current != wanted:
-                    value = values.get(wanted)
-                    if value is None:
-                        value = values[wanted] = _string_attr(wanted)
-                    op._set_attr(attr, value)
+        with string_attr_setter(graph) as set_string:
+            for op in graph.get_operations():
+                tags = view.tags[op]
+                taskgraph, phase = view.taskgraph_of[op].name, view.phase_of[op].value
+                if tags.taskgraph != taskgraph:
+                    set_string(op, TASKGRAPH_ATTR, taskgraph.encode())
+                    changed += 1
+                if tags.phase != phase:
+                    set_string(op, PHASE_ATTR, phase.encode())
                     changed += 1
         counts = {}
         for phase in view.phase_of.values():
