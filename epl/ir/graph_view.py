@@ -148,12 +148,14 @@ def descendants(tensors, within: set | None = None) -> set[tf.Operation]:
 class OpTags(NamedTuple):
     """The attributes analysis reads from one op's NodeDef.
 
-    type: the op type; taskgraph / phase: its `_epl_taskgraph` / `_epl_phase`
-    strings (None where unset); split_replaced: the split pass replaced it;
-    colocated_with: the name of the op it is colocated with (its `_class`
-    attribute), None when it is its own colocation root.
+    name / type: the op's name and type; taskgraph / phase: its
+    `_epl_taskgraph` / `_epl_phase` strings (None where unset);
+    split_replaced: the split pass replaced it; colocated_with: the name of the
+    op it is colocated with (its `_class` attribute), None when it is its own
+    colocation root.
     """
 
+    name: str
     type: str
     taskgraph: str | None
     phase: str | None
@@ -173,7 +175,7 @@ def read_tags(op: tf.Operation) -> OpTags:
     taskgraph = attrs[TASKGRAPH_ATTR].s.decode() if TASKGRAPH_ATTR in attrs else None
     phase = attrs[PHASE_ATTR].s.decode() if PHASE_ATTR in attrs else None
     colocated = _colocated_name(node.name, attrs)
-    return OpTags(node.op, taskgraph, phase, SPLIT_REPLACED_ATTR in attrs, colocated)
+    return OpTags(node.name, node.op, taskgraph, phase, SPLIT_REPLACED_ATTR in attrs, colocated)
 
 
 def _colocated_name(name: str, attrs) -> str | None:
@@ -276,17 +278,17 @@ def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor
 def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Operation, TaskGraph]:
     """TaskGraph of every op, following the rules in the module docstring."""
     first = next(tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT)
-    by_name = {tg.name: tg for tg in reversed(state.taskgraphs)}  # first of a name wins
+    taskgraph_named = {tg.name: tg for tg in reversed(state.taskgraphs)}  # first of a name wins
+    op_named = {op_tags.name: op for op, op_tags in tags.items()}
     resolved: dict[tf.Operation, TaskGraph] = {}
-    graph = ops[0].graph if ops else None
     for op in ops:  # creation order: inputs and colocation roots come first
         taskgraph = None
         op_tags, phase = tags[op], phase_of.get(op)
-        root = _op_named(graph, op_tags.colocated_with)
+        root = op_named.get(op_tags.colocated_with)
         if phase in (Phase.BACKWARD, Phase.APPLY):  # follows its forward op / variable
             taskgraph = resolved.get(root) if root is not None else None
         if taskgraph is None and op_tags.taskgraph:
-            taskgraph = by_name.get(op_tags.taskgraph)
+            taskgraph = taskgraph_named.get(op_tags.taskgraph)
         if taskgraph is None and phase in (Phase.BACKWARD, Phase.APPLY, Phase.OTHER):
             taskgraph = resolved.get(root) if root is not None else None
         if taskgraph is None:
