@@ -113,11 +113,11 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
     host device.
 
     Speed: each op's NodeDef is read once (its tags and device are remembered,
-    and updated when the op is adopted), and tags are written through
-    epl.ir.attrs.string_attr_setter.
+    and updated when the op is adopted), and the tags are written together
+    through epl.ir.attrs.set_string_attrs.
     """
     from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
-    from epl.ir.attrs import string_attr_setter
+    from epl.ir.attrs import set_string_attrs
     if ctx.view is not None:
         fallback_tg = ctx.view.taskgraphs[0].name.encode()
     else:  # gradient time (the split pass): no view yet
@@ -134,23 +134,23 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
                                  attrs[PHASE_ATTR].s if PHASE_ATTR in attrs else None, node.device]
         return found
 
-    with string_attr_setter(graph) as set_string:
-        for op in graph.get_operations()[first_new:]:
-            mine = read(op)
-            if mine[0] is not None and mine[2]:
-                continue
-            source = next((t.op for t in list(op.inputs) + [c.outputs[0] for c in op.control_inputs
-                                                            if c.outputs]
-                           if read(t.op)[0] is not None), None)
-            theirs = read(source) if source is not None else [None, None, ""]
-            if mine[0] is None:
-                mine[0] = theirs[0] if source is not None else fallback_tg
-                mine[1] = theirs[1] if theirs[1] is not None else Phase.OTHER.value.encode()
-                set_string(op, TASKGRAPH_ATTR, mine[0])
-                set_string(op, PHASE_ATTR, mine[1])
-            if not mine[2]:
-                mine[2] = theirs[2] or ctx.cluster.host_device
-                op._set_device(mine[2])
+    tags = []  # (op, attribute, value) to write
+    for op in graph.get_operations()[first_new:]:
+        mine = read(op)
+        if mine[0] is not None and mine[2]:
+            continue
+        source = next((t.op for t in list(op.inputs) + [c.outputs[0] for c in op.control_inputs
+                                                        if c.outputs]
+                       if read(t.op)[0] is not None), None)
+        theirs = read(source) if source is not None else [None, None, ""]
+        if mine[0] is None:
+            mine[0] = theirs[0] if source is not None else fallback_tg
+            mine[1] = theirs[1] if theirs[1] is not None else Phase.OTHER.value.encode()
+            tags += [(op, TASKGRAPH_ATTR, mine[0]), (op, PHASE_ATTR, mine[1])]
+        if not mine[2]:
+            mine[2] = theirs[2] or ctx.cluster.host_device
+            op._set_device(mine[2])
+    set_string_attrs(graph, tags)
 
 
 class PassManager:

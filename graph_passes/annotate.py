@@ -12,11 +12,25 @@ writes only the attributes that differ.
 """
 from __future__ import annotations
 
+import collections
+
 import tensorflow as tf
 
-from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
-from epl.ir.attrs import string_attr_setter
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.attrs import set_string_attrs
 from epl.pass_manager import GraphPass, PassContext, PassResult
+
+
+def _differing_tags(ops, view):
+    """(op, attribute, value) for every tag of `ops` that differs from the analysis."""
+    phases = {phase: phase.value for phase in Phase}
+    for op in ops:
+        tags = view.tags[op]
+        taskgraph, phase = view.taskgraph_of[op].name, phases[view.phase_of[op]]
+        if tags.taskgraph != taskgraph:
+            yield op, TASKGRAPH_ATTR, taskgraph.encode()
+        if tags.phase != phase:
+            yield op, PHASE_ATTR, phase.encode()
 
 
 class AnnotatePass(GraphPass):
@@ -27,18 +41,6 @@ class AnnotatePass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view = ctx.view
-        changed = 0
-        with string_attr_setter(graph) as set_string:
-            for op in graph.get_operations():
-                tags = view.tags[op]
-                taskgraph, phase = view.taskgraph_of[op].name, view.phase_of[op].value
-                if tags.taskgraph != taskgraph:
-                    set_string(op, TASKGRAPH_ATTR, taskgraph.encode())
-                    changed += 1
-                if tags.phase != phase:
-                    set_string(op, PHASE_ATTR, phase.encode())
-                    changed += 1
-        counts = {}
-        for phase in view.phase_of.values():
-            counts[phase.value] = counts.get(phase.value, 0) + 1
+        changed = set_string_attrs(graph, _differing_tags(graph.get_operations(), view))
+        counts = {phase.value: n for phase, n in collections.Counter(view.phase_of.values()).items()}
         return PassResult(notes=[f"{changed} attributes set; ops by phase {counts}"])

@@ -45,6 +45,7 @@ from epl.ir.clone import NodeBatch, replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
 MB = 1 << 20
+_INT32_MAX = 2 ** 31 - 1  # larger static dimensions make TensorFlow write shapes as int64
 
 
 def _is_apply(op: tf.Operation) -> bool:
@@ -297,9 +298,6 @@ def _reshape_and_rewire(graph: tf.Graph, grads_of: list, reduced: list) -> None:
         new = value if isinstance(value, tf.Tensor) else created[value].outputs[0]
         for consumer in [c for c in grad.consumers() if _is_apply(c)]:
             replace_input(consumer, grad, new)
-
-
-_INT32_MAX = 2 ** 31 - 1
 
 
 class _Consts:
