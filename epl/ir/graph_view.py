@@ -184,8 +184,10 @@ def _colocated_name(name: str, attrs) -> str | None:
     if COLOCATION_ATTR not in attrs:
         return None
     for group in attrs[COLOCATION_ATTR].list.s:
-        if group.startswith(COLOCATION_PREFIX) and group[len(COLOCATION_PREFIX):].decode() != name:
-            return group[len(COLOCATION_PREFIX):].decode()
+        if group.startswith(COLOCATION_PREFIX):
+            other = group[len(COLOCATION_PREFIX):].decode()
+            if other != name:
+                return other
     return None
 
 
@@ -301,12 +303,13 @@ def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Opera
 
 def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region, batch_inputs):
     phase_of: dict[tf.Operation, Phase] = {}
+    tagged_phases = {Phase.BACKWARD.value: Phase.BACKWARD, Phase.APPLY.value: Phase.APPLY}
     for op in ops:
         op_tags = tags[op]
         if op_tags.split_replaced:
             phase_of[op] = Phase.OTHER
-        elif op_tags.phase in (Phase.BACKWARD.value, Phase.APPLY.value):
-            phase_of[op] = Phase(op_tags.phase)
+        elif op_tags.phase in tagged_phases:
+            phase_of[op] = tagged_phases[op_tags.phase]
     processing = descendants([g for g, _ in gradients], within=step_ops)
     forward = loss_ancestors | descendants(batch_inputs)
     for op in ops:
