@@ -60,13 +60,15 @@ def check_acyclic(graph: tf.Graph, preds: dict | None = None) -> None:
 
     preds: `predecessors(graph)` where the caller has it.
 
-    Speed: an op's inputs exist before it is created, so every edge runs from
-    an earlier op to a later one (graph order) unless a rewrite added it
-    afterwards (`_update_input`, new control inputs): a "back edge". A cycle
-    contains a back edge, so all its ops are reachable from a back edge's
-    consumer and reach a back edge's producer. Only those ops (usually the few
-    update ops the gradient pass rewired) are sorted topologically; the whole
-    graph is sorted only when they hold a cycle, to name the ops.
+    Speed: an op's inputs usually exist before it is created, so almost every
+    edge runs from an earlier op to a later one in graph (creation) order; the
+    others, "back edges", come from rewiring (`_update_input`, control inputs
+    added later). Graph order cannot increase all the way around a cycle, so
+    a cycle contains a back edge, and all its ops are reachable from that
+    edge's consumer and reach its producer through ops so reachable. Only
+    those ops (usually the few update ops the gradient pass rewired) are
+    sorted topologically; the whole graph is sorted only when they hold a
+    cycle, to name the ops.
     """
     preds = preds if preds is not None else predecessors(graph)
     back = _back_edges(preds)
