@@ -125,10 +125,11 @@ def _cyclic_gc_paused():
     """Pause Python's cyclic garbage collector (reference counting still frees objects).
 
     Speed: the rewrite creates hundreds of thousands of objects that live as
-    long as the graph (ops, tensors, protos); their allocation triggers full
-    collections that traverse every object of the process (0.3-0.5 s each on
-    a 24-layer transformer) and free next to nothing. Cyclic garbage made
-    meanwhile is collected once the collector runs again.
+    long as the graph (ops, tensors, protos); their allocation can trigger a
+    full collection, which traverses every object of the process (0.3-0.5 s
+    on a 24-layer transformer when one falls inside the rewrite) and frees
+    next to nothing. Cyclic garbage made meanwhile is collected once the
+    collector runs again.
     """
     enabled = gc.isenabled()
     gc.disable()
