@@ -111,26 +111,46 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
     attributes); helper ops (slices, casts, groups) inherit from their first
     tagged input, or fall back to the first TaskGraph, phase "other" and the
     host device.
+
+    Speed: each op's NodeDef is read once (its tags and device are remembered,
+    and updated when the op is adopted), and the tags are written together
+    through epl.ir.attrs.set_string_attrs.
     """
     from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+    from epl.ir.attrs import set_string_attrs
     if ctx.view is not None:
         fallback_tg = ctx.view.taskgraphs[0].name.encode()
     else:  # gradient time (the split pass): no view yet
         from epl.ir.taskgraph import graph_state
         fallback_tg = graph_state(graph).taskgraphs[0].name.encode()
+    known: dict = {}  # op -> [TaskGraph or None, phase or None, device] as read or adopted
+
+    def read(op: tf.Operation) -> list:
+        found = known.get(op)
+        if found is None:
+            node = op.node_def
+            attrs = node.attr
+            found = known[op] = [attrs[TASKGRAPH_ATTR].s if TASKGRAPH_ATTR in attrs else None,
+                                 attrs[PHASE_ATTR].s if PHASE_ATTR in attrs else None, node.device]
+        return found
+
+    tags = []  # (op, attribute, value) to write
     for op in graph.get_operations()[first_new:]:
-        if TASKGRAPH_ATTR in op.node_def.attr and op.device:
+        mine = read(op)
+        if mine[0] is not None and mine[2]:
             continue
-        source = next((t.op for t in list(op.inputs) + [c.outputs[0] for c in op.control_inputs if c.outputs]
-                       if TASKGRAPH_ATTR in t.op.node_def.attr), None)
-        if TASKGRAPH_ATTR not in op.node_def.attr:
-            tg = source.node_def.attr[TASKGRAPH_ATTR].s if source is not None else fallback_tg
-            phase = (source.node_def.attr[PHASE_ATTR].s if source is not None and PHASE_ATTR in
-                     source.node_def.attr else Phase.OTHER.value.encode())
-            op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=tg))
-            op._set_attr(PHASE_ATTR, tf.compat.v1.AttrValue(s=phase))
-        if not op.device:
-            op._set_device(source.device if source is not None and source.device else ctx.cluster.host_device)
+        source = next((t.op for t in list(op.inputs) + [c.outputs[0] for c in op.control_inputs
+                                                        if c.outputs]
+                       if read(t.op)[0] is not None), None)
+        theirs = read(source) if source is not None else [None, None, ""]
+        if mine[0] is None:
+            mine[0] = theirs[0] if source is not None else fallback_tg
+            mine[1] = theirs[1] if theirs[1] is not None else Phase.OTHER.value.encode()
+            tags += [(op, TASKGRAPH_ATTR, mine[0]), (op, PHASE_ATTR, mine[1])]
+        if not mine[2]:
+            mine[2] = theirs[2] or ctx.cluster.host_device
+            op._set_device(mine[2])
+    set_string_attrs(graph, tags)
 
 
 class PassManager:

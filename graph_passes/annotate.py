@@ -5,21 +5,32 @@ and apply ops, but ops built outside any scope (and the phase of forward ops)
 are only known after analysis (epl.ir.graph_view). This pass writes the
 analysed TaskGraph and Phase into each op's `_epl_taskgraph` / `_epl_phase`
 attributes, so every later pass, the dumps and the verifier read one source.
+
+It runs first, on the graph analysis read, so it compares with the attribute
+values analysis read (`view.tags`) instead of reading every NodeDef again, and
+writes only the attributes that differ.
 """
 from __future__ import annotations
 
+import collections
+
 import tensorflow as tf
 
-from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.attrs import set_string_attrs
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
 
-def _set_string(op: tf.Operation, name: str, value: str) -> bool:
-    current = op.node_def.attr.get(name)
-    if current is not None and current.s.decode() == value:
-        return False
-    op._set_attr(name, tf.compat.v1.AttrValue(s=value.encode()))
-    return True
+def _differing_tags(ops, view):
+    """(op, attribute, value) for every tag of `ops` that differs from the analysis."""
+    phases = {phase: phase.value for phase in Phase}
+    for op in ops:
+        tags = view.tags[op]
+        taskgraph, phase = view.taskgraph_of[op].name, phases[view.phase_of[op]]
+        if tags.taskgraph != taskgraph:
+            yield op, TASKGRAPH_ATTR, taskgraph.encode()
+        if tags.phase != phase:
+            yield op, PHASE_ATTR, phase.encode()
 
 
 class AnnotatePass(GraphPass):
@@ -30,11 +41,6 @@ class AnnotatePass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view = ctx.view
-        changed = 0
-        for op in graph.get_operations():
-            changed += _set_string(op, TASKGRAPH_ATTR, view.taskgraph_of[op].name)
-            changed += _set_string(op, PHASE_ATTR, view.phase_of[op].value)
-        counts = {}
-        for phase in view.phase_of.values():
-            counts[phase.value] = counts.get(phase.value, 0) + 1
+        changed = set_string_attrs(graph, _differing_tags(graph.get_operations(), view))
+        counts = {phase.value: n for phase, n in collections.Counter(view.phase_of.values()).items()}
         return PassResult(notes=[f"{changed} attributes set; ops by phase {counts}"])

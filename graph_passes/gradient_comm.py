@@ -37,12 +37,15 @@ import dataclasses
 import math
 
 import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.python.framework import tensor_util
 
 from epl.ir.annotations import PHASE_ATTR, Phase
-from epl.ir.clone import replace_input
+from epl.ir.clone import NodeBatch, replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
 MB = 1 << 20
+_INT32_MAX = 2 ** 31 - 1  # larger static dimensions make TensorFlow write shapes as int64
 
 
 def _is_apply(op: tf.Operation) -> bool:
@@ -117,7 +120,7 @@ class GradientCommPass(GraphPass):
             method = "sum"
         even = ctx.plan.even and ctx.communicator.num_workers == 1
         fp16_scale = float(config.get("communication.fp16_scale")) if config.get("communication.fp16") else None
-        before = set(graph.get_operations())
+        first_new = len(graph.get_operations())
         zero = ctx.artifacts.get("zero")  # gradients ZeRO reduce-scattered itself
         sharded = zero.reduced if zero is not None else {}
         per_gradient = [entry for entry in replication.gradients if entry[0].name not in sharded]
@@ -138,9 +141,10 @@ class GradientCommPass(GraphPass):
                                            int(config.get("communication.max_splits"))):
                     buckets.append(bucket)
                     bucket_members.append([dense[i] for i in bucket.members])
+            _reduce_buckets(graph, ctx.communicator,
+                            [[per_gradient[i][1] for i in members] for members in bucket_members],
+                            replication.weights, method, even, fp16_scale)
             for members in bucket_members:
-                self._reduce_bucket(ctx.communicator, per_gradient, members, replication.weights,
-                                    method, even, fp16_scale)
                 for i in members:
                     reduced_of[per_gradient[i][0].name] = reduced_of.get(per_gradient[i][0].name, 0) + 1
             for var, grads, original in per_gradient:
@@ -151,45 +155,10 @@ class GradientCommPass(GraphPass):
             reduced_of = {var.name: 1 for var, _, _ in per_gradient}
         reduced_of.update(sharded)
         ctx.artifacts[self.name] = reduced_of
-        added = [op.name for op in graph.get_operations() if op not in before]
+        added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{len(per_gradient)} gradients in {len(buckets)} buckets ({method}"
             f"{', fp16' if fp16_scale else ''})"])
-
-    @staticmethod
-    def _reduce_bucket(communicator, per_gradient, members, weights, method, even, fp16_scale):
-        """Flatten, weight, reduce once, split back and rewire one bucket."""
-        replicas = len(per_gradient[members[0]][1])
-        grads_of = [[per_gradient[i][1][k] for i in members] for k in range(replicas)]
-        devices = [grads[0].op.device for grads in grads_of]
-        shapes = [tf.shape(g) for g in grads_of[0]]
-        sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else None for g in grads_of[0]]
-        flats = []
-        for k, grads in enumerate(grads_of):
-            with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):
-                flat = tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0) if len(grads) > 1 \
-                    else tf.reshape(grads[0], [-1])
-                if method != "sum" and not even:
-                    flat = flat * tf.cast(weights[k], flat.dtype)
-                if fp16_scale is not None and flat.dtype == tf.float32:
-                    flat = tf.cast(flat * fp16_scale, tf.float16)
-                flats.append(flat)
-        op = "mean" if (method != "sum" and even) else "sum"
-        reduced = communicator.all_reduce(flats, devices, op=op)
-        for k, grads in enumerate(grads_of):
-            with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):
-                flat = reduced[k]
-                if fp16_scale is not None and grads[0].dtype == tf.float32:
-                    flat = tf.cast(flat, tf.float32) / fp16_scale
-                if all(s is not None for s in sizes):
-                    parts = tf.split(flat, sizes) if len(grads) > 1 else [flat]
-                else:
-                    parts = tf.split(flat, [tf.reduce_prod(s) for s in shapes]) if len(grads) > 1 else [flat]
-                for grad, part, shape in zip(grads, parts, shapes):
-                    new = tf.reshape(part, shape) if not grad.shape.is_fully_defined() \
-                        else tf.reshape(part, grad.shape)
-                    for consumer in [c for c in grad.consumers() if _is_apply(c)]:
-                        replace_input(consumer, grad, new)
 
     @staticmethod
     def _gather_sparse(communicator, grads, original, weights, method):
@@ -213,3 +182,149 @@ class GradientCommPass(GraphPass):
         for old, new in ((original.values, all_values), (original.indices, all_indices)):
             for consumer in [c for c in old.consumers() if _is_apply(c)]:
                 replace_input(consumer, old, new)
+
+
+# -- dense buckets -------------------------------------------------------------
+#
+# Speed: a bucket needs two ops per gradient and replica (flatten, reshape
+# back). Creating them one by one through the Python API costs 0.3-1 ms each,
+# so they are written as NodeDefs and added with one graph import per step
+# (epl.ir.clone.NodeBatch, as the replicate pass copies ops); constants are
+# shared per device. The few ops per bucket and replica (concat, weighting,
+# fp16, the collective, split) are built through the Python API.
+
+def _reduce_buckets(graph: tf.Graph, communicator, buckets: list, weights: list, method: str,
+                    even: bool, fp16_scale: float | None) -> None:
+    """Flatten, weight, reduce once, split back and rewire each bucket.
+
+    buckets: per bucket, per member gradient, its copy per replica.
+    """
+    replicas = len(buckets[0][0]) if buckets else 0
+    grads_of = [[[member[k] for member in bucket] for k in range(replicas)] for bucket in buckets]
+    vectors_of = _flatten(graph, grads_of)
+    reduced = [_reduce_flat(communicator, grads, vectors, weights, method, even, fp16_scale)
+               for grads, vectors in zip(grads_of, vectors_of)]
+    _reshape_and_rewire(graph, grads_of, reduced)
+
+
+def _is_vector(tensor: tf.Tensor) -> bool:
+    """A tensor of static shape [n]: already its own flattening (no Reshape needed)."""
+    return tensor.shape.rank == 1 and tensor.shape.is_fully_defined()
+
+
+def _flatten(graph: tf.Graph, grads_of: list) -> list:
+    """Per bucket, per replica: the replica's gradients as vectors (a Reshape on
+    the device of the replica's first gradient for each one that is not one)."""
+    batch = NodeBatch(graph)
+    consts = _Consts(batch)
+    flat = []  # per bucket, per replica, per gradient: the gradient or a NodeDef name
+    for bucket in grads_of:
+        flat.append([])
+        for grads in bucket:
+            device = grads[0].op.device
+            flat[-1].append([g if _is_vector(g) else _node(
+                batch, "Reshape", device, [batch.ref(g), consts.get([-1], tf.int32, device)],
+                T=_type(g.dtype), Tshape=_type(tf.int32)) for g in grads])
+    created = batch.commit()
+    return [[[v if isinstance(v, tf.Tensor) else created[v].outputs[0] for v in replica]
+             for replica in bucket] for bucket in flat]
+
+
+def _reduce_flat(communicator, grads_of: list, vectors_of: list, weights: list, method: str,
+                 even: bool, fp16_scale: float | None) -> tuple[list, list | None]:
+    """Concatenate, weight, reduce once and split one bucket.
+
+    grads_of / vectors_of: per replica, the bucket's gradients / their vectors.
+    Returns (per replica the reduced parts in member order, the shape tensors of
+    replica 0's gradients where some gradient's shape is not static, else None).
+    """
+    devices = [grads[0].op.device for grads in grads_of]
+    sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else None for g in grads_of[0]]
+    dynamic = any(not g.shape.is_fully_defined() for grads in grads_of for g in grads)
+    shapes = [tf.shape(g) for g in grads_of[0]] if dynamic else None
+    flats = []
+    for k, vectors in enumerate(vectors_of):
+        with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):
+            flat = tf.concat(vectors, axis=0) if len(vectors) > 1 else vectors[0]
+            if method != "sum" and not even:
+                flat = flat * tf.cast(weights[k], flat.dtype)
+            if fp16_scale is not None and flat.dtype == tf.float32:
+                flat = tf.cast(flat * fp16_scale, tf.float16)
+            flats.append(flat)
+    op = "mean" if (method != "sum" and even) else "sum"
+    reduced = communicator.all_reduce(flats, devices, op=op)
+    parts_of = []
+    for k, grads in enumerate(grads_of):
+        with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):
+            flat = reduced[k]
+            if fp16_scale is not None and grads[0].dtype == tf.float32:
+                flat = tf.cast(flat, tf.float32) / fp16_scale
+            if len(grads) == 1:
+                parts_of.append([flat])
+            elif all(s is not None for s in sizes):
+                parts_of.append(tf.split(flat, sizes))
+            else:
+                parts_of.append(tf.split(flat, [tf.reduce_prod(s) for s in shapes]))
+    return parts_of, shapes
+
+
+def _reshape_and_rewire(graph: tf.Graph, grads_of: list, reduced: list) -> None:
+    """Reshape every reduced part to its gradient's shape (static, else replica
+    0's shape tensor), on the device of the replica's first gradient, and make
+    the update ops (apply phase) that read the gradient read it instead.
+
+    reduced: per bucket, what _reduce_flat returned.
+    """
+    batch = NodeBatch(graph)
+    consts = _Consts(batch)
+    rewires = []  # (gradient, its reduced value: a part, or the NodeDef name of its Reshape)
+    for bucket_grads, (bucket_parts, shapes) in zip(grads_of, reduced):
+        for grads, parts in zip(bucket_grads, bucket_parts):
+            device = grads[0].op.device
+            for i, (grad, part) in enumerate(zip(grads, parts)):
+                if _is_vector(grad) and part.shape == grad.shape:  # nothing to reshape
+                    rewires.append((grad, part))
+                    continue
+                if grad.shape.is_fully_defined():
+                    dims = grad.shape.as_list()
+                    shape_dtype = tf.int64 if any(d > _INT32_MAX for d in dims) else tf.int32
+                    shape = consts.get(dims, shape_dtype, device)
+                else:
+                    shape_dtype, shape = shapes[i].dtype, batch.ref(shapes[i])
+                rewires.append((grad, _node(batch, "Reshape", device, [batch.ref(part), shape],
+                                            T=_type(grad.dtype), Tshape=_type(shape_dtype))))
+    created = batch.commit()
+    for grad, value in rewires:
+        new = value if isinstance(value, tf.Tensor) else created[value].outputs[0]
+        for consumer in [c for c in grad.consumers() if _is_apply(c)]:
+            replace_input(consumer, grad, new)
+
+
+class _Consts:
+    """Constants of a NodeBatch, one per (value, dtype, device)."""
+
+    def __init__(self, batch: NodeBatch):
+        self.batch = batch
+        self.names: dict = {}
+
+    def get(self, value: list, dtype: tf.DType, device: str) -> str:
+        """NodeDef input naming the constant `value` on `device`."""
+        key = (tuple(value), dtype, device)
+        if key not in self.names:
+            tensor = tensor_util.make_tensor_proto(value, dtype=dtype)
+            self.names[key] = _node(self.batch, "Const", device, [], dtype=_type(dtype),
+                                    value=tf.compat.v1.AttrValue(tensor=tensor))
+        return NodeBatch.output(self.names[key], 0)
+
+
+def _type(dtype: tf.DType) -> tf.compat.v1.AttrValue:
+    return tf.compat.v1.AttrValue(type=dtype.as_datatype_enum)
+
+
+def _node(batch: NodeBatch, op_type: str, device: str, inputs: list, **attrs) -> str:
+    """Add a NodeDef named after its type (under EPL_FUSION) to `batch`; return its name."""
+    node = node_def_pb2.NodeDef(name=batch.new_name(f"EPL_FUSION/{op_type}"), op=op_type, device=device)
+    node.input.extend(inputs)
+    for key, value in attrs.items():
+        node.attr[key].CopyFrom(value)
+    return batch.add(node)

@@ -149,10 +149,11 @@ def stage_boundaries(forward_copies: dict, stages: dict) -> dict:
     """(from stage, to stage) -> forward tensors crossing between the stages."""
     boundaries: dict = {}
     copies = set(forward_copies.values())
+    stage_of = {op: _stage_index(op, stages) for op in copies}  # one NodeDef read per copy
     for op in copies:
-        to_stage = _stage_index(op, stages)
+        to_stage = stage_of[op]
         for tensor in op.inputs:
-            from_stage = _stage_index(tensor.op, stages)
+            from_stage = stage_of.get(tensor.op)
             if tensor.op in copies and from_stage is not None and from_stage != to_stage:
                 found = boundaries.setdefault((from_stage, to_stage), [])
                 if tensor not in found:

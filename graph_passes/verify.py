@@ -35,35 +35,104 @@ def _fail(what: str, ops, fix: str) -> None:
 
 
 def check_tagged_and_placed(graph: tf.Graph) -> None:
-    """Every op has a TaskGraph and a device."""
-    bad = [op for op in graph.get_operations()
-           if TASKGRAPH_ATTR not in op.node_def.attr or not op.device]
+    """Every op has a TaskGraph and a device (both read from one NodeDef read per op)."""
+    bad = []
+    for op in graph.get_operations():
+        node = op.node_def
+        if TASKGRAPH_ATTR not in node.attr or not node.device:
+            bad.append(op)
     if bad:
         _fail("ops without a TaskGraph or a device", bad,
               "Ops created after parallelization are not placed by EPL; build the whole "
               "model before the first session.")
 
 
-def check_acyclic(graph: tf.Graph) -> None:
-    """The graph (data and control edges) has no cycle."""
-    ops = graph.get_operations()
-    indegree = {op: len(op.inputs) + len(op.control_inputs) for op in ops}
+def predecessors(graph: tf.Graph) -> dict:
+    """op -> the ops it reads (data inputs, then control inputs), in graph order.
+
+    Read once (a TensorFlow call per op) and shared by the checks of one verification.
+    """
+    return {op: [t.op for t in op.inputs] + op.control_inputs for op in graph.get_operations()}
+
+
+def check_acyclic(graph: tf.Graph, preds: dict | None = None) -> None:
+    """The graph (data and control edges) has no cycle.
+
+    preds: `predecessors(graph)` where the caller has it.
+
+    Speed: an op's inputs usually exist before it is created, so almost every
+    edge runs from an earlier op to a later one in graph (creation) order; the
+    others, "back edges", come from rewiring (`_update_input`, control inputs
+    added later). Graph order cannot increase all the way around a cycle, so
+    a cycle contains a back edge, and all its ops are reachable from that
+    edge's consumer and reach its producer through ops so reachable. Only
+    those ops (usually the few update ops the gradient pass rewired) are
+    sorted topologically; the whole graph is sorted only when they hold a
+    cycle, to name the ops.
+    """
+    preds = preds if preds is not None else predecessors(graph)
+    back = _back_edges(preds)
+    if not back:
+        return
+    reached = _successors_closure([consumer for _, consumer in back])
+    suspects = _predecessors_closure([p for p, _ in back if p in reached], preds, within=reached)
+    if suspects and _unsorted([op for op in preds if op in suspects], preds):
+        _fail("the graph has a cycle through these ops", _unsorted(list(preds), preds),
+              "A stage reads a tensor computed by a later stage; check the order of the scopes.")
+
+
+def _back_edges(preds: dict) -> list:
+    """(producer, consumer) of every edge not from an earlier op to a later one."""
+    position = {op: i for i, op in enumerate(preds)}
+    return [(producer, op) for i, (op, producers) in enumerate(preds.items())
+            for producer in producers if position[producer] >= i]
+
+
+def _successors_closure(starts: list) -> set:
+    """`starts` and every op reachable from them (data and control edges)."""
+    seen = set(starts)
+    stack = list(seen)
+    while stack:
+        op = stack.pop()
+        for successor in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:
+            if successor not in seen:
+                seen.add(successor)
+                stack.append(successor)
+    return seen
+
+
+def _predecessors_closure(targets: list, preds: dict, within=None) -> set:
+    """`targets` and every op that reaches one of them (only through ops of
+    `within`, when given)."""
+    seen = set(targets)
+    stack = list(seen)
+    while stack:
+        for producer in preds[stack.pop()]:
+            if producer not in seen and (within is None or producer in within):
+                seen.add(producer)
+                stack.append(producer)
+    return seen
+
+
+def _unsorted(ops: list, preds: dict) -> list:
+    """The ops Kahn's algorithm cannot order using the edges among `ops`: those
+    on a cycle or after one (in the order given)."""
+    members = set(ops)
+    indegree = {}
     consumers = {op: [] for op in ops}
     for op in ops:
-        for producer in [t.op for t in op.inputs] + list(op.control_inputs):
+        producers = [p for p in preds[op] if p in members]
+        indegree[op] = len(producers)
+        for producer in producers:
             consumers[producer].append(op)
     ready = [op for op in ops if indegree[op] == 0]
-    done = 0
     while ready:
         op = ready.pop()
-        done += 1
         for consumer in consumers[op]:
             indegree[consumer] -= 1
             if indegree[consumer] == 0:
                 ready.append(consumer)
-    if done != len(ops):
-        _fail("the graph has a cycle through these ops", [op for op in ops if indegree[op] > 0],
-              "A stage reads a tensor computed by a later stage; check the order of the scopes.")
+    return [op for op in ops if indegree[op] > 0]
 
 
 def check_one_reduction_per_gradient(ctx: PassContext) -> None:
@@ -77,14 +146,18 @@ def check_one_reduction_per_gradient(ctx: PassContext) -> None:
         _fail("gradients without a reduction", missing, "This is an EPL bug; please report it.")
 
 
-def check_no_template_work(ctx: PassContext) -> None:
-    """The train ops run no template op (no forward/backward work done twice)."""
+def check_no_template_work(ctx: PassContext, preds: dict | None = None) -> None:
+    """The train ops run no template op (no forward/backward work done twice).
+
+    preds: `predecessors(graph)` where the caller has it.
+    """
     replication = ctx.artifacts.get("replicate")
     if replication is None:
         return
     template = set(replication.replica_maps[0]) | {
         op for op in ctx.view.replica_ops if ctx.view.phase_of[op] == Phase.BACKWARD}
-    needed = ancestors(ctx.view.train_ops)
+    needed = (_predecessors_closure(ctx.view.train_ops, preds) if preds is not None
+              else ancestors(ctx.view.train_ops))
     bad = sorted(template & needed, key=lambda op: op._id)
     if bad:
         _fail("the train op still needs original (template) ops", bad,
@@ -107,8 +180,9 @@ class VerifyPass(GraphPass):
     requires = ("annotate",)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        preds = predecessors(graph)
         check_tagged_and_placed(graph)
-        check_acyclic(graph)
+        check_acyclic(graph, preds)
         check_one_reduction_per_gradient(ctx)
-        check_no_template_work(ctx)
+        check_no_template_work(ctx, preds)
         return PassResult(notes=["invariants hold"])

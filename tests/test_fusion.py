@@ -99,3 +99,47 @@ def test_sparse_gradients(epl_env, optimizer, sparse_as_dense):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(table, ref_table, rtol=1e-5, atol=1e-6)
     assert bool(_collectives(graph)) == sparse_as_dense
+
+
+def _mixed_shapes_train(devices=None, replica_weights=None):
+    """Adam on a scalar, a vector and a variable of unknown static shape (its gradient's
+    shape is only known at run time): the three kinds a bucket flattens differently."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(8, 6).astype(np.float32), rng.randn(8, 3).astype(np.float32)
+    w0, b0 = rng.randn(6, 3).astype(np.float32), rng.randn(3).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        def loss_fn():
+            w = tf.compat.v1.get_variable(
+                "w", initializer=tf.compat.v1.placeholder_with_default(w0, shape=None),
+                validate_shape=False)
+            b = tf.compat.v1.get_variable("b", initializer=b0)
+            s = tf.compat.v1.get_variable("s", initializer=np.float32(0.7))
+            pred = tf.matmul(tf.constant(x), tf.reshape(w, [6, 3])) * s + b
+            return tf.reduce_mean(tf.square(pred - tf.constant(y)))
+        if devices:
+            with epl.replicate(1):
+                loss = loss_fn()
+        else:
+            loss = loss_fn()
+        train = tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
+        if devices:
+            epl.parallelize(graph, replica_weights=replica_weights)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(3):
+                sess.run(train)
+            return {v.op.name: sess.run(v) for v in tf.compat.v1.global_variables()
+                    if v.op.name in ("w", "b", "s")}
+
+
+@pytest.mark.parametrize("config,weights", [
+    ({}, None),
+    ({}, [0.25, 0.75]),
+    ({"communication.fusion_threshold_mb": 0.000001}, None),
+])
+def test_scalar_vector_and_dynamic_shape_gradients(epl_env, config, weights):
+    reference = _mixed_shapes_train()
+    epl_env({"cluster.virtual_devices": 2, **config})
+    result = _mixed_shapes_train(devices=2, replica_weights=weights)
+    for name, value in reference.items():
+        np.testing.assert_allclose(result[name], value, rtol=1e-5, atol=1e-6)

@@ -37,16 +37,19 @@ Rules, in the order they are applied:
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind, StrategySpec
+from epl.ir.clone import COLOCATION_ATTR
 
 # graph_passes/split.py marks the ops it replaced with this attr (they never run).
 SPLIT_REPLACED_ATTR = "_epl_split_replaced"
 from epl.ir.taskgraph import GraphState, TaskGraph
 
+COLOCATION_PREFIX = b"loc:@"  # a `_class` entry naming the op to colocate with
 VARIABLE_OP_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 ITERATOR_OUTPUT_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
 PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
@@ -80,6 +83,7 @@ class TrainingView:
     split_ops: forward ops of split TaskGraphs (run once, not copied).
     split_apply_ops: apply ops that update a variable of a split op (run once).
     split_variables: variables read by split ops (the shards; not mirrored).
+    tags: op -> OpTags, its attributes as analysis read them (before any pass).
     """
 
     graph: tf.Graph
@@ -99,6 +103,7 @@ class TrainingView:
     split_ops: list = dataclasses.field(default_factory=list)
     split_apply_ops: list = dataclasses.field(default_factory=list)
     split_variables: list = dataclasses.field(default_factory=list)
+    tags: dict = dataclasses.field(default_factory=dict)
 
     def describe_op(self, op: tf.Operation) -> str:
         """One line naming an op for error messages: name, type, shape, TaskGraph, device."""
@@ -110,16 +115,20 @@ class TrainingView:
 
 def ancestors(roots, include_control: bool = True) -> set[tf.Operation]:
     """Every op that `roots` (ops) need, including themselves."""
-    seen: set[tf.Operation] = set()
-    stack = list(roots)
+    seen: set[tf.Operation] = set(roots)
+    stack = list(seen)
     while stack:
         op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
+        for tensor in op.inputs:
+            producer = tensor.op
+            if producer not in seen:
+                seen.add(producer)
+                stack.append(producer)
         if include_control:
-            stack.extend(op.control_inputs)
+            for producer in op.control_inputs:
+                if producer not in seen:
+                    seen.add(producer)
+                    stack.append(producer)
     return seen
 
 
@@ -136,21 +145,64 @@ def descendants(tensors, within: set | None = None) -> set[tf.Operation]:
     return seen
 
 
-def _attr_string(op: tf.Operation, name: str) -> str | None:
-    attr = op.node_def.attr.get(name)
-    return attr.s.decode() if attr is not None else None
+class OpTags(NamedTuple):
+    """The attributes analysis reads from one op's NodeDef.
+
+    name / type: the op's name and type; taskgraph / phase: its
+    `_epl_taskgraph` / `_epl_phase` strings (None where unset);
+    split_replaced: the split pass replaced it; colocated_with: the name of the
+    op it is colocated with (its `_class` attribute), None when it is its own
+    colocation root.
+    """
+
+    name: str
+    type: str
+    taskgraph: str | None
+    phase: str | None
+    split_replaced: bool
+    colocated_with: str | None
+
+
+def read_tags(op: tf.Operation) -> OpTags:
+    """Read `op`'s OpTags with one NodeDef read.
+
+    Speed: every `op.node_def`, `op.get_attr` or `op.colocation_groups()` call
+    serializes the op's NodeDef in TensorFlow (get_attr several us more), so
+    analysis reads each NodeDef once here rather than once per attribute.
+    """
+    node = op.node_def
+    attrs = node.attr
+    taskgraph = attrs[TASKGRAPH_ATTR].s.decode() if TASKGRAPH_ATTR in attrs else None
+    phase = attrs[PHASE_ATTR].s.decode() if PHASE_ATTR in attrs else None
+    colocated = _colocated_name(node.name, attrs)
+    return OpTags(node.name, node.op, taskgraph, phase, SPLIT_REPLACED_ATTR in attrs, colocated)
+
+
+def _colocated_name(name: str, attrs) -> str | None:
+    """The first colocation group of a NodeDef's attrs naming another op (what
+    `Operation.colocation_groups()` lists, read from the `_class` attribute)."""
+    if COLOCATION_ATTR not in attrs:
+        return None
+    for group in attrs[COLOCATION_ATTR].list.s:
+        if group.startswith(COLOCATION_PREFIX):
+            other = group[len(COLOCATION_PREFIX):].decode()
+            if other != name:
+                return other
+    return None
+
+
+def _op_named(graph: tf.Graph, name: str | None) -> tf.Operation | None:
+    if name is None:
+        return None
+    try:
+        return graph.get_operation_by_name(name)
+    except KeyError:
+        return None
 
 
 def colocation_root(op: tf.Operation) -> tf.Operation | None:
     """The op `op` is colocated with (through its `_class` attr), if another one."""
-    for group in op.colocation_groups():
-        name = group.decode()[len("loc:@"):]
-        if name != op.name:
-            try:
-                return op.graph.get_operation_by_name(name)
-            except KeyError:
-                return None
-    return None
+    return _op_named(op.graph, _colocated_name(op.name, op.node_def.attr))
 
 
 def input_args(op: tf.Operation) -> list:
@@ -225,40 +277,41 @@ def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor
     return sources, batch
 
 
-def _resolve_taskgraphs(ops, state: GraphState, phase_of) -> dict[tf.Operation, TaskGraph]:
+def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Operation, TaskGraph]:
     """TaskGraph of every op, following the rules in the module docstring."""
     first = next(tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT)
+    taskgraph_named = {tg.name: tg for tg in reversed(state.taskgraphs)}  # first of a name wins
+    op_named = {op_tags.name: op for op, op_tags in tags.items()}
     resolved: dict[tf.Operation, TaskGraph] = {}
     for op in ops:  # creation order: inputs and colocation roots come first
         taskgraph = None
-        if phase_of.get(op) in (Phase.BACKWARD, Phase.APPLY):  # follows its forward op / variable
-            root = colocation_root(op)
+        op_tags, phase = tags[op], phase_of.get(op)
+        root = op_named.get(op_tags.colocated_with)
+        if phase in (Phase.BACKWARD, Phase.APPLY):  # follows its forward op / variable
             taskgraph = resolved.get(root) if root is not None else None
-        name = _attr_string(op, TASKGRAPH_ATTR)
-        if taskgraph is None and name:
-            taskgraph = state.taskgraph(name)
-        if taskgraph is None and phase_of.get(op) in (Phase.BACKWARD, Phase.APPLY, Phase.OTHER):
-            root = colocation_root(op)
+        if taskgraph is None and op_tags.taskgraph:
+            taskgraph = taskgraph_named.get(op_tags.taskgraph)
+        if taskgraph is None and phase in (Phase.BACKWARD, Phase.APPLY, Phase.OTHER):
             taskgraph = resolved.get(root) if root is not None else None
         if taskgraph is None:
             producers = [resolved[t.op] for t in op.inputs if t.op in resolved]
-            if producers and phase_of.get(op) != Phase.OTHER:
+            if producers and phase != Phase.OTHER:
                 taskgraph = max(producers, key=lambda tg: tg.index)
         resolved[op] = taskgraph or first
     return resolved
 
 
-def _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_inputs):
+def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region, batch_inputs):
     phase_of: dict[tf.Operation, Phase] = {}
+    tagged_phases = {Phase.BACKWARD.value: Phase.BACKWARD, Phase.APPLY.value: Phase.APPLY}
     for op in ops:
-        if SPLIT_REPLACED_ATTR in op.node_def.attr:
+        op_tags = tags[op]
+        if op_tags.split_replaced:
             phase_of[op] = Phase.OTHER
-            continue
-        tagged = _attr_string(op, PHASE_ATTR)
-        if tagged in (Phase.BACKWARD.value, Phase.APPLY.value):
-            phase_of[op] = Phase(tagged)
+        elif op_tags.phase in tagged_phases:
+            phase_of[op] = tagged_phases[op_tags.phase]
     processing = descendants([g for g, _ in gradients], within=step_ops)
-    forward = ancestors([t.op for t in losses]) | descendants(batch_inputs)
+    forward = loss_ancestors | descendants(batch_inputs)
     for op in ops:
         if op in phase_of:
             continue
@@ -273,8 +326,8 @@ def _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_input
     return phase_of
 
 
-def _check_control_flow(replica_ops, describe) -> None:
-    bad = [op for op in replica_ops if op.type in CONTROL_FLOW_V1_TYPES]
+def _check_control_flow(replica_ops, describe, tags) -> None:
+    bad = [op for op in replica_ops if tags[op].type in CONTROL_FLOW_V1_TYPES]
     if bad:
         raise ParallelizeError(
             "the model uses TF1 control flow (tf.compat.v1.while_loop/cond frames), which EPL "
@@ -284,6 +337,8 @@ def _check_control_flow(replica_ops, describe) -> None:
 
 def _split_parts(step_region, split_tgs, taskgraph_of, phase_of, variable_ops):
     """(split ops, split apply ops, split variables) of the training step.
+
+    variable_ops: the graph's variable ops the split pass did not replace.
 
     Split variables: the variables of split TaskGraphs (the shards, and what
     the optimizer colocated with them: slots, and Adam's beta powers when the
@@ -296,8 +351,7 @@ def _split_parts(step_region, split_tgs, taskgraph_of, phase_of, variable_ops):
     split_names = {tg.name for tg in split_tgs}
     split_ops = [op for op in step_region if phase_of[op] == Phase.FORWARD
                  and taskgraph_of[op].name in split_names]
-    variables = [op for op in variable_ops if taskgraph_of[op].name in split_names
-                 and SPLIT_REPLACED_ATTR not in op.node_def.attr]
+    variables = [op for op in variable_ops if taskgraph_of[op].name in split_names]
     chosen = set(variables)
     apply_ops = [op for op in step_region if phase_of[op] == Phase.APPLY
                  and any(t.op in chosen for t in op.inputs)]
@@ -322,6 +376,7 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     if not any(tg.spec.kind != StrategyKind.SPLIT for tg in state.taskgraphs):
         state.add_taskgraph(IMPLICIT_SPEC)  # ops outside any scope: the default strategy
     ops = graph.get_operations()
+    tags = {op: read_tags(op) for op in ops}
     losses = [s.loss for s in steps]
     train_ops = [s.train_op for s in steps]
     gradients = [(g, v.op) for s in steps for g, v in s.grads_and_vars if g is not None]
@@ -334,24 +389,26 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
             "outputs, placeholders of rank >= 1, or constants whose first dimension is the "
             "batch. Feed the examples through one of these.")
     batch_region = ancestors([t.op for t in batch_inputs])
-    phase_of = _classify_phases(ops, step_ops, losses, gradients, batch_region, batch_inputs)
-    taskgraph_of = _resolve_taskgraphs(ops, state, phase_of)
+    phase_of = _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region,
+                                batch_inputs)
+    taskgraph_of = _resolve_taskgraphs(ops, state, phase_of, tags)
+    variable_ops = [op for op in ops if tags[op].type in VARIABLE_OP_TYPES]
     step_region = [op for op in ops
-                   if op.type not in VARIABLE_OP_TYPES and op not in batch_region and (
+                   if tags[op].type not in VARIABLE_OP_TYPES and op not in batch_region and (
                        phase_of[op] == Phase.FORWARD or (
                            phase_of[op] in (Phase.BACKWARD, Phase.APPLY) and op in step_ops))]
     split_tgs = [tg for tg in state.taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
     split_ops, split_apply, split_variables = _split_parts(
-        step_region, split_tgs, taskgraph_of, phase_of,
-        [op for op in ops if op.type in VARIABLE_OP_TYPES])
+        step_region, split_tgs, taskgraph_of, phase_of, [op for op in variable_ops
+                                                         if not tags[op].split_replaced])
     single = set(split_ops) | set(split_apply)
     replica_ops = [op for op in step_region if op not in single]
     replica_set = set(replica_ops)
-    variables = [op for op in ops if op.type in VARIABLE_OP_TYPES
-                 and any(c in replica_set for out in op.outputs for c in out.consumers())]
+    variables = [op for op in variable_ops
+                 if any(c in replica_set for out in op.outputs for c in out.consumers())]
     replicated_tgs = [tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT]
     view = TrainingView(graph, replicated_tgs, taskgraph_of, phase_of, step_ops,
                         replica_ops, batch_inputs, batch, variables, losses, gradients, train_ops,
-                        steps, split_tgs, split_ops, split_apply, split_variables)
-    _check_control_flow(replica_ops, view.describe_op)
+                        steps, split_tgs, split_ops, split_apply, split_variables, tags)
+    _check_control_flow(replica_ops, view.describe_op, tags)
     return view
