@@ -128,7 +128,8 @@ def _as_number(value):
 
 def _static(tensors) -> list:
     """Static shapes (None where not fully defined)."""
-    return [tuple(t.shape.as_list()) if t.shape.is_fully_defined() else None for t in tensors]
+    shapes = [t._shape_tuple() for t in tensors]  # a tuple, without building a TensorShape
+    return [s if s is not None and None not in s else None for s in shapes]
 
 
 def _shape_pairs(template: tf.Operation, copy: tf.Operation) -> tuple[list, list]:
