@@ -12,6 +12,7 @@ A violation raises PassError naming every offending op.
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.client import pywrap_tf_session as c_api
 
 from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase
@@ -50,9 +51,19 @@ def check_tagged_and_placed(graph: tf.Graph) -> None:
 def predecessors(graph: tf.Graph) -> dict:
     """op -> the ops it reads (data inputs, then control inputs), in graph order.
 
-    Read once (a TensorFlow call per op) and shared by the checks of one verification.
+    Read once and shared by the checks of one verification. Speed: the first
+    read of `op.inputs` builds and caches a Tensor object per input (about
+    7 us per op; the ops the passes import have none cached yet); where none
+    is cached, the producers are read from the C graph instead (about 4 us).
     """
-    return {op: [t.op for t in op.inputs] + op.control_inputs for op in graph.get_operations()}
+    op_of = graph._get_operation_by_tf_operation
+    preds = {}
+    for op in graph.get_operations():
+        cached = getattr(op, "_inputs_val", None)
+        data = ([t.op for t in cached] if cached is not None
+                else [op_of(output.oper) for output in c_api.GetOperationInputs(op._c_op)])
+        preds[op] = data + op.control_inputs
+    return preds
 
 
 def check_acyclic(graph: tf.Graph, preds: dict | None = None) -> None:

@@ -2,6 +2,7 @@
 import pytest
 import tensorflow as tf
 
+import epl
 from epl.errors import PassError
 from graph_passes import verify
 
@@ -53,3 +54,18 @@ def test_untagged_or_unplaced_ops_are_named():
     with pytest.raises(PassError, match="ops without a TaskGraph or a device") as err:
         verify.check_tagged_and_placed(graph)
     assert "x (type Const" in str(err.value) and "a0 (type Identity" in str(err.value)
+
+
+def test_predecessors_match_the_graph_api(models, epl_env):
+    """The inputs verify reads are the ops' data and control inputs, also after the
+    passes rewired them (replicas, fused gradients, schedule edges), whether or not
+    TensorFlow has cached an op's inputs."""
+    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2})
+    with tf.Graph().as_default() as graph:
+        models.build("mlp", "adam")
+        epl.parallelize(graph)
+    preds = verify.predecessors(graph)
+    assert list(preds) == graph.get_operations()
+    for op, producers in preds.items():
+        assert producers == [t.op for t in op.inputs] + list(op.control_inputs), op.name
+    assert preds == verify.predecessors(graph)  # now with every op's inputs cached
