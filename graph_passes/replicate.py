@@ -215,12 +215,13 @@ class ReplicatePass(GraphPass):
         template, why_not = self._template(view, ctx, checkpoints)
         autodiff_reasons = [why_not] if why_not else []
         constants_by_shape: dict = {}  # slice shapes -> (template constants' values, why not)
+        forward_sources: dict = {}  # the template forward ops as OpCopier reads them, once
         for k in range(plan.num_replicas):
             per_micro = []
             for m in range(micro):
                 unit = (k, m)
                 forward_map = self._copy_forward(view, plan, unit, micro, forward, slices, mirrors,
-                                                 shape_consts)
+                                                 shape_consts, forward_sources)
                 first = len(graph.get_operations())
                 key = _slice_shapes(slices, k * micro + m)
                 copied = None
@@ -343,10 +344,10 @@ class ReplicatePass(GraphPass):
         outputs = boundary.outputs_to_replicas(forward)
         _refuse_spanning_outputs(view, outputs, spanning)
         inputs.update(outputs)
-        forward_copies = {}
+        forward_copies, sources = {}, {}
         for k in range(plan.num_replicas):
             forward_copies[(k, 0)] = self._copy_forward(view, plan, (k, 0), 1, forward, inputs,
-                                                        mirrors, shape_consts)
+                                                        mirrors, shape_consts, sources)
         bypassed = boundary.connect_inputs({k: forward_copies[(k, 0)]
                                             for k in range(plan.num_replicas)})
         step = view.steps[0]
@@ -654,7 +655,8 @@ class ReplicatePass(GraphPass):
                 for var in view.variables}
 
     @staticmethod
-    def _copy_forward(view, plan, unit, micro, forward, slices, mirrors, shape_consts) -> dict:
+    def _copy_forward(view, plan, unit, micro, forward, slices, mirrors, shape_consts,
+                      cache: dict | None = None) -> dict:
         """Copy the forward ops for unit (replica k, micro-batch m), reading its slice
         and replica k's variables, onto replica k's devices.
 
@@ -674,7 +676,7 @@ class ReplicatePass(GraphPass):
                 return mirrors[var][k].device
             return plan.device(view.taskgraph_of[op], k)
 
-        copier = OpCopier(view.graph, prefix, device_fn, input_map, attrs)
+        copier = OpCopier(view.graph, prefix, device_fn, input_map, attrs, cache=cache)
         for op in forward:
             if op in shape_consts:
                 source = shape_consts[op]

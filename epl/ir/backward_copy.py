@@ -54,6 +54,7 @@ class TemplateBackward:
         self.ops = [op for step in steps for op in step.backward_ops if op in replica]
         self.gradients = [g for step in steps for g, _ in step.grads_and_vars if g is not None]
         self.constants = []  # (op, value, forward op it is colocated with or None)
+        self._sources: dict = {}  # what OpCopier reads from each op, read once for every copy
         for op in self.ops:
             if op.type == "Const" and op.outputs[0].dtype in _NUMERIC:
                 value = tf.make_ndarray(op.get_attr("value"))
@@ -93,7 +94,8 @@ class TemplateBackward:
     def copy(self, graph, prefix: str, device_fn, input_map: dict, attrs: dict,
              forward_map: dict, constants: dict) -> list:
         """Copy the template under `prefix`; returns the copy's gradients (template order)."""
-        copier = OpCopier(graph, prefix, device_fn, input_map, attrs, known=forward_map)
+        copier = OpCopier(graph, prefix, device_fn, input_map, attrs, known=forward_map,
+                          cache=self._sources)
         for op in self.ops:
             value = constants.get(op)
             if value is None:

@@ -178,15 +178,26 @@ class OpCopier:
 
     def __init__(self, graph: tf.Graph, prefix: str, device_fn: Callable[[tf.Operation], str],
                  input_map: dict | None = None, extra_attrs: dict | None = None,
-                 known: dict | None = None):
+                 known: dict | None = None, cache: dict | None = None):
         self.batch = NodeBatch(graph)
         self.prefix = prefix
         self.device_fn = device_fn
         self.input_map = input_map or {}
         self.extra_attrs = extra_attrs
         self.known = known or {}
+        # op -> (its NodeDef without name, device and inputs; its inputs; its control
+        # inputs): what copying reads from an op, read once when the same ops are
+        # copied for several replicas (pass the same dict to each copier)
+        self.cache = {} if cache is None else cache
         self._names: dict = {}  # old op -> its copy's NodeDef name
-        self._order: list = []
+        self._order: list = []  # (old op, new NodeDef, old op's control inputs)
+
+    def _source(self, op: tf.Operation) -> tuple:
+        source = self.cache.get(op)
+        if source is None:
+            source = self.cache[op] = (copy_node_def(op, "", ""), tuple(op.inputs),
+                                       tuple(op.control_inputs))
+        return source
 
     def input(self, tensor: tf.Tensor) -> str:
         """NodeDef input for what the copy of a reader of `tensor` reads."""
@@ -206,9 +217,14 @@ class OpCopier:
 
     def copy(self, op: tf.Operation) -> None:
         """Write the copy of `op` (its inputs' producers must be written first)."""
-        node = copy_node_def(op, self.batch.new_name(f"{self.prefix}/{op.name}"), self.device_fn(op),
-                             self.extra_attrs)
-        node.input.extend(self.input(t) for t in op.inputs)
+        template, inputs, _ = self._source(op)
+        node = node_def_pb2.NodeDef()
+        node.CopyFrom(template)
+        node.name = self.new_name(op)
+        node.device = self.device_fn(op)
+        for key, value in (self.extra_attrs or {}).items():
+            node.attr[key].CopyFrom(value)
+        node.input.extend(self.input(t) for t in inputs)
         self._add(op, node)
 
     def substitute(self, op: tf.Operation, node: node_def_pb2.NodeDef) -> None:
@@ -226,7 +242,7 @@ class OpCopier:
     def commit(self) -> dict:
         """Add the copies (control inputs resolved now, so they may point forward)."""
         for op, node in self._order:
-            node.input.extend(self.control_input(c) for c in op.control_inputs)
+            node.input.extend(self.control_input(c) for c in self._source(op)[2])
         created = self.batch.commit()
         return {op: created[node.name] for op, node in self._order}
 
