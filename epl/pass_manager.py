@@ -134,8 +134,12 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
                                  attrs[PHASE_ATTR].s if PHASE_ATTR in attrs else None, node.device]
         return found
 
+    from epl.ir.taskgraph import graph_state
+    complete = graph_state(graph).created_complete  # tagged and placed when created
     tags = []  # (op, attribute, value) to write
     for op in graph.get_operations()[first_new:]:
+        if op in complete:
+            continue
         mine = read(op)
         if mine[0] is not None and mine[2]:
             continue

@@ -210,32 +210,22 @@ class ReplicatePass(GraphPass):
         forward, apply_ops, devices, shape_consts, slices, weights, mirrors = \
             self._prepare(graph, ctx, micro)
         replica_maps, gradients = [], []
-        forward_copies, backward_ops, loss_copies = {}, {}, {}
+        backward_ops, loss_copies = {}, {}
         built_by_shape: dict = {}  # slice shapes -> (unit, its gradients, its backward ops)
-        template, why_not = self._template(view, ctx, checkpoints)
-        autodiff_reasons = [why_not] if why_not else []
-        constants_by_shape: dict = {}  # slice shapes -> (template constants' values, why not)
-        forward_sources: dict = {}  # the template forward ops as OpCopier reads them, once
+        all_units = [(k, m) for k in range(plan.num_replicas) for m in range(micro)]
+        forward_copies = self._copy_forwards(view, plan, all_units, micro, forward, slices,
+                                             mirrors, shape_consts)
+        copied, autodiff_reasons = self._copy_templates(view, plan, ctx, checkpoints, all_units,
+                                                        micro, forward_copies, slices, mirrors)
         for k in range(plan.num_replicas):
             per_micro = []
             for m in range(micro):
                 unit = (k, m)
-                forward_map = self._copy_forward(view, plan, unit, micro, forward, slices, mirrors,
-                                                 shape_consts, forward_sources)
+                forward_map = forward_copies[unit]
                 first = len(graph.get_operations())
                 key = _slice_shapes(slices, k * micro + m)
-                copied = None
-                if template is not None and key not in built_by_shape:
-                    if key not in constants_by_shape:
-                        constants_by_shape[key] = template.constant_values(forward_map)
-                    copied, why_not = self._copy_template(view, plan, template, unit, micro,
-                                                          forward_map, slices, mirrors,
-                                                          *constants_by_shape[key])
-                    if copied is None:
-                        constants_by_shape[key] = ({}, why_not)
-                        autodiff_reasons.append(why_not)
-                if copied is not None:  # the user's backward ops, copied (cheap)
-                    per_micro.append(copied)
+                if unit in copied:  # the user's backward ops, copied (cheap)
+                    per_micro.append(copied[unit][0])
                 elif key in built_by_shape:  # same shapes: copy that unit's backward (cheap)
                     source, source_grads, source_ops = built_by_shape[key]
                     per_micro.append(self._copy_backward(
@@ -245,14 +235,14 @@ class ReplicatePass(GraphPass):
                     per_micro.append(self._regenerate_gradients(view, plan, unit, micro,
                                                                 forward_map, mirrors, checkpoints))
                     built_by_shape[key] = (unit, per_micro[-1], graph.get_operations()[first:])
-                backward_ops[unit] = graph.get_operations()[first:]
+                backward_ops[unit] = copied[unit][1] if unit in copied \
+                    else graph.get_operations()[first:]
                 if checkpoints and unit == (0, 0) and \
                         ctx.config.get("gradient_checkpoint.check_gradients"):
                     # gradients without checkpointing, never run by the train op: the
                     # session compares them with the checkpointed ones before step 1
                     ctx.artifacts["gradient_check"] = (self._regenerate_gradients(
                         view, plan, unit, micro, forward_map, mirrors), per_micro[-1])
-                forward_copies[unit] = forward_map
                 loss_copies[unit] = [forward_map[t.op].outputs[t.value_index]
                                      for t in view.losses if t.op in forward_map]
             accumulated, accumulate_ops = _accumulate(per_micro, k)
@@ -282,7 +272,7 @@ class ReplicatePass(GraphPass):
         notes = [f"{plan.num_replicas} replicas, shares {list(plan.replica_weights)}"]
         rebuilt = len(built_by_shape)
         notes.append(f"backward ops: copied from the template for "
-                     f"{plan.num_replicas * micro - rebuilt} unit(s), autodiff for {rebuilt}"
+                     f"{len(copied)} unit(s), autodiff for {rebuilt}"
                      + (f" ({'; '.join(autodiff_reasons)})" if rebuilt else ""))
         if micro > 1:
             notes.append(f"{micro} micro-batches per replica, gradients accumulated")
@@ -344,10 +334,8 @@ class ReplicatePass(GraphPass):
         outputs = boundary.outputs_to_replicas(forward)
         _refuse_spanning_outputs(view, outputs, spanning)
         inputs.update(outputs)
-        forward_copies, sources = {}, {}
-        for k in range(plan.num_replicas):
-            forward_copies[(k, 0)] = self._copy_forward(view, plan, (k, 0), 1, forward, inputs,
-                                                        mirrors, shape_consts, sources)
+        forward_copies = self._copy_forwards(view, plan, [(k, 0) for k in range(plan.num_replicas)],
+                                             1, forward, inputs, mirrors, shape_consts)
         bypassed = boundary.connect_inputs({k: forward_copies[(k, 0)]
                                             for k in range(plan.num_replicas)})
         step = view.steps[0]
@@ -655,36 +643,41 @@ class ReplicatePass(GraphPass):
                 for var in view.variables}
 
     @staticmethod
-    def _copy_forward(view, plan, unit, micro, forward, slices, mirrors, shape_consts,
-                      cache: dict | None = None) -> dict:
-        """Copy the forward ops for unit (replica k, micro-batch m), reading its slice
-        and replica k's variables, onto replica k's devices.
+    def _copy_forwards(view, plan, units, micro, forward, slices, mirrors, shape_consts) -> dict:
+        """Copy the forward ops for each unit (replica k, micro-batch m), reading its
+        slice and replica k's variables, onto replica k's devices; one import for
+        all units. Returns {unit: {template op: its copy}}.
 
         A constant in `shape_consts` (a folded static shape of a batch-sized
         tensor) becomes a Shape op of the unit's copy of that tensor. Copies are
         named `EPL_REPLICA_<k>/` (plus `EPL_MICRO_BATCH_<m>/` when M > 1).
         """
-        k, m = unit
-        input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
-        input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
-        prefix = _prefix(k, m, micro)
-        attrs = _replica_attr(k, m if micro > 1 else None)
+        batch, sources, copiers = NodeBatch(view.graph), {}, {}
+        for unit in units:
+            k, m = unit
+            input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
+            input_map.update({var.outputs[0]: copies[k].outputs[0]
+                              for var, copies in mirrors.items()})
+            attrs = _replica_attr(k, m if micro > 1 else None)
 
-        def device_fn(op):
-            var = _variable_read(op)
-            if var is not None and var in mirrors:  # read where the variable lives
-                return mirrors[var][k].device
-            return plan.device(view.taskgraph_of[op], k)
+            def device_fn(op, k=k):
+                var = _variable_read(op)
+                if var is not None and var in mirrors:  # read where the variable lives
+                    return mirrors[var][k].device
+                return plan.device(view.taskgraph_of[op], k)
 
-        copier = OpCopier(view.graph, prefix, device_fn, input_map, attrs, cache=cache)
-        for op in forward:
-            if op in shape_consts:
-                source = shape_consts[op]
-                copier.substitute(op, _shape_node(op, copier.input(source), source.dtype,
-                                                  copier.new_name(op), device_fn(op), attrs))
-            else:
-                copier.copy(op)
-        return copier.commit()
+            copier = copiers[unit] = OpCopier(view.graph, _prefix(k, m, micro), device_fn,
+                                              input_map, attrs, cache=sources, batch=batch)
+            for op in forward:
+                if op in shape_consts:
+                    source = shape_consts[op]
+                    copier.substitute(op, _shape_node(op, copier.input(source), source.dtype,
+                                                      copier.new_name(op), device_fn(op), attrs))
+                else:
+                    copier.copy(op)
+            copier.close()
+        created = batch.commit()
+        return {unit: copier.result(created) for unit, copier in copiers.items()}
 
     @staticmethod
     def _regenerate_gradients(view, plan, unit, micro, forward_map, mirrors,
@@ -730,33 +723,46 @@ class ReplicatePass(GraphPass):
         return grads_out
 
     @staticmethod
-    def _template(view, ctx, checkpoints) -> tuple:
-        """(TemplateBackward, None) when the user's backward ops can be copied for the
-        replicas, else (None, why not)."""
+    def _copy_templates(view, plan, ctx, checkpoints, units, micro, forward_copies, slices,
+                        mirrors) -> tuple[dict, list]:
+        """The template's backward ops copied for every unit they can be copied for
+        (reading the unit's forward copies, slices and variables, batch-derived
+        constants rewritten), in one import.
+
+        Returns ({unit: (its gradients, its backward ops)}, [why autodiff is needed
+        for the other units]).
+        """
         why_not = TemplateBackward.unusable(view, view.steps, ctx.artifacts.get("amp") is not None,
                                             checkpoints)
-        return (None, why_not) if why_not else (TemplateBackward(view, view.steps), None)
-
-    @staticmethod
-    def _copy_template(view, plan, template, unit, micro, forward_map, slices, mirrors,
-                       constants: dict, why_not: str | None) -> tuple:
-        """(gradients, None): the template's backward ops copied for `unit` (reading its
-        forward copies, slices and variables, batch-derived constants rewritten), or
-        (None, why not) when they cannot be (the caller runs autodiff instead)."""
         if why_not:
-            return None, why_not
-        k, m = unit
-        input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
-        input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
-        devices = {plan.device(tg, 0): plan.device(tg, k) for tg in view.taskgraphs}
+            return {}, [why_not]
+        template = TemplateBackward(view, view.steps)
+        constants_by_shape, reasons, writers = {}, [], {}
+        batch = NodeBatch(view.graph)
+        for unit in units:
+            k, m = unit
+            key = _slice_shapes(slices, k * micro + m)
+            if key not in constants_by_shape:
+                constants_by_shape[key] = template.constant_values(forward_copies[unit])
+                if constants_by_shape[key][1]:
+                    reasons.append(constants_by_shape[key][1])
+            constants, why_not = constants_by_shape[key]
+            if why_not:
+                continue
+            input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
+            input_map.update({var.outputs[0]: copies[k].outputs[0]
+                              for var, copies in mirrors.items()})
+            devices = {plan.device(tg, 0): plan.device(tg, k) for tg in view.taskgraphs}
+            writers[unit] = (template.write(
+                batch, _prefix(k, m, micro), lambda op, devices=devices: devices.get(op.device, op.device),
+                input_map, _replica_attr(k, m if micro > 1 else None), forward_copies[unit],
+                constants), input_map)
         try:
-            grads = template.copy(view.graph, _prefix(k, m, micro),
-                                  lambda op: devices.get(op.device, op.device), input_map,
-                                  _replica_attr(k, m if micro > 1 else None), forward_map,
-                                  constants)
+            created = batch.commit()
         except (ValueError, tf.errors.InvalidArgumentError) as err:  # shape inference refused it
-            return None, f"copying the template failed: {str(err).splitlines()[0]}"
-        return grads, None
+            return {}, reasons + [f"copying the template failed: {str(err).splitlines()[0]}"]
+        return {unit: template.gradients(copier, created, input_map, forward_copies[unit])
+                for unit, (copier, input_map) in writers.items()}, reasons
 
     @staticmethod
     def _copy_backward(view, plan, source, unit, micro, source_grads, source_ops,

@@ -52,7 +52,7 @@ class TemplateBackward:
     def __init__(self, view, steps):
         replica = set(view.replica_ops)
         self.ops = [op for step in steps for op in step.backward_ops if op in replica]
-        self.gradients = [g for step in steps for g, _ in step.grads_and_vars if g is not None]
+        self.grads = [g for step in steps for g, _ in step.grads_and_vars if g is not None]
         self.constants = []  # (op, value, forward op it is colocated with or None)
         self._sources: dict = {}  # what OpCopier reads from each op, read once for every copy
         for op in self.ops:
@@ -91,11 +91,12 @@ class TemplateBackward:
             return {}, str(why)
         return values, None
 
-    def copy(self, graph, prefix: str, device_fn, input_map: dict, attrs: dict,
-             forward_map: dict, constants: dict) -> list:
-        """Copy the template under `prefix`; returns the copy's gradients (template order)."""
-        copier = OpCopier(graph, prefix, device_fn, input_map, attrs, known=forward_map,
-                          cache=self._sources)
+    def write(self, batch, prefix: str, device_fn, input_map: dict, attrs: dict,
+              forward_map: dict, constants: dict) -> OpCopier:
+        """Write the template's copy under `prefix` into `batch` (a NodeBatch several
+        copies may share); after the batch's commit, `gradients` reads it."""
+        copier = OpCopier(batch.graph, prefix, device_fn, input_map, attrs, known=forward_map,
+                          cache=self._sources, batch=batch)
         for op in self.ops:
             value = constants.get(op)
             if value is None:
@@ -104,7 +105,13 @@ class TemplateBackward:
             node = copy_node_def(op, copier.new_name(op), device_fn(op), attrs)
             node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
             copier.substitute(op, node)
-        op_map = copier.commit()
+        copier.close()
+        return copier
+
+    def gradients(self, copier: OpCopier, created: dict, input_map: dict,
+                  forward_map: dict) -> tuple[list, list]:
+        """(the copy's gradients in template order, its ops in creation order)."""
+        op_map = copier.result(created)
 
         def mapped(tensor):
             if isinstance(tensor, tf.IndexedSlices):
@@ -115,7 +122,7 @@ class TemplateBackward:
                 return input_map[tensor]
             copy = op_map.get(tensor.op) or forward_map.get(tensor.op)
             return copy.outputs[tensor.value_index] if copy is not None else tensor
-        return [mapped(g) for g in self.gradients]
+        return [mapped(g) for g in self.grads], [op_map[op] for op in self.ops]
 
 
 class _NotCopyable(Exception):

@@ -43,6 +43,9 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2
 from tensorflow.python.client import pywrap_tf_session as c_api
 from tensorflow.python.framework import c_api_util
 
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
+from epl.ir.taskgraph import graph_state
+
 COLOCATION_ATTR = "_class"
 _INPUT_PLACEHOLDER = "_epl_input_{}"
 
@@ -120,6 +123,10 @@ class NodeBatch:
             ops = [graph._create_op_from_tf_operation(c_op, compute_device=False)
                    for c_op in created]
             _post_process(graph, ops)
+            complete = graph_state(graph).created_complete
+            complete.update(op for node, op in zip(self.nodes, ops)
+                            if node.device and TASKGRAPH_ATTR in node.attr
+                            and PHASE_ATTR in node.attr)
             return {node.name: op for node, op in zip(self.nodes, ops)}
 
 
@@ -178,8 +185,12 @@ class OpCopier:
 
     def __init__(self, graph: tf.Graph, prefix: str, device_fn: Callable[[tf.Operation], str],
                  input_map: dict | None = None, extra_attrs: dict | None = None,
-                 known: dict | None = None, cache: dict | None = None):
-        self.batch = NodeBatch(graph)
+                 known: dict | None = None, cache: dict | None = None,
+                 batch: NodeBatch | None = None):
+        # several copiers may write into one NodeBatch (one import for all of them,
+        # which saves the importer's fixed cost per call): then call close() on
+        # each, commit the batch once, and read each copier's ops with result()
+        self.batch = batch if batch is not None else NodeBatch(graph)
         self.prefix = prefix
         self.device_fn = device_fn
         self.input_map = input_map or {}
@@ -239,12 +250,19 @@ class OpCopier:
         self._names[op] = self.batch.add(node)
         self._order.append((op, node))
 
-    def commit(self) -> dict:
-        """Add the copies (control inputs resolved now, so they may point forward)."""
+    def close(self) -> None:
+        """Resolve the control inputs (done last, so they may point forward)."""
         for op, node in self._order:
             node.input.extend(self.control_input(c) for c in self._source(op)[2])
-        created = self.batch.commit()
+
+    def result(self, created: dict) -> dict:
+        """{old op: new op} from the batch's commit() result."""
         return {op: created[node.name] for op, node in self._order}
+
+    def commit(self) -> dict:
+        """Add the copies to the graph (one import); return {old op: new op}."""
+        self.close()
+        return self.result(self.batch.commit())
 
 
 def clone_ops(ops: list[tf.Operation], prefix: str, device_fn: Callable[[tf.Operation], str],

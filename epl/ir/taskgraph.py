@@ -69,6 +69,10 @@ class GraphState:
     dumps_written: int = 0   # pass dumps written before parallelize (the split pass)
     parallelized: bool = False
     result: Any = None   # epl.parallel.ParallelGraph once parallelized
+    # ops epl.ir.clone.NodeBatch created with a TaskGraph, a phase and a device
+    # already set (tags and devices are never removed): the pass manager's
+    # adoption of new ops and the verifier skip reading their NodeDefs again
+    created_complete: set = dataclasses.field(default_factory=set)
 
     def taskgraph(self, name: str) -> TaskGraph | None:
         """Return the TaskGraph called `name`, or None."""
