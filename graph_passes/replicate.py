@@ -250,15 +250,23 @@ class ReplicatePass(GraphPass):
             for m, ops in accumulate_ops.items():
                 backward_ops[(k, m)] = backward_ops[(k, m)] + ops
             replica_maps.append(dict(forward_copies[(k, 0)]))
-        for k in range(1, plan.num_replicas):  # copy the originals before rewiring them
-            replica_maps[k].update(self._copy_apply(view, plan, k, apply_ops, slices, mirrors,
-                                                    replica_maps[k], gradients[k], micro))
+        # the update copies of replicas k > 0 (made before the originals are rewired) and,
+        # with one worker, the sync ops: one import
+        batch = NodeBatch(graph)
+        copiers = {k: self._copy_apply(view, plan, k, apply_ops, slices, mirrors, replica_maps[k],
+                                       gradients[k], micro, batch)
+                   for k in range(1, plan.num_replicas)}
+        local_sync = _write_local_sync(mirrors, batch) if ctx.communicator.cross is None else None
+        created = batch.commit()
+        for k, copier in copiers.items():
+            replica_maps[k].update(copier.result(created))
         self._rewire_replica0_apply(apply_ops, replica_maps[0], _gradient_map(view, gradients[0]))
         self._chain_train_ops(view, replica_maps)
         units = [forward_copies[(k, m)] for k in range(plan.num_replicas) for m in range(micro)]
         unit_weights = [w if micro == 1 else w * (1.0 / micro) for w in weights for _ in range(micro)]
         merged = self._merge_fetches(graph, view, units, unit_weights, devices, ctx.communicator)
-        sync_ops = self._sync_ops(mirrors, ctx.communicator)
+        sync_ops = self._sync_ops(mirrors, ctx.communicator) if local_sync is None else \
+            {var: created[name] for var, name in local_sync.items()}
         per_gradient = [(var, [gradients[k][i] for k in range(plan.num_replicas)], grad)
                         for i, (grad, var) in enumerate(view.gradients)]
         ctx.artifacts[self.name] = Replication(per_gradient, weights, merged, sync_ops, mirrors,
@@ -799,14 +807,26 @@ class ReplicatePass(GraphPass):
 
     @staticmethod
     def _copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads,
-                    micro: int = 1) -> dict:
-        """Copy the update (apply) ops for replica k > 0 (reading its accumulated gradients)."""
+                    micro: int = 1, batch: NodeBatch | None = None):
+        """Copy the update (apply) ops for replica k > 0 (reading its accumulated gradients).
+
+        Returns {original op: copy}; with `batch`, the OpCopier that wrote the
+        copies into it (its `result` maps them once the batch is committed).
+        """
         input_map = {t: parts[k * micro] for t, parts in slices.items()}
         input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
         input_map.update(_gradient_map(view, grads))
-        return clone_ops(apply_ops, REPLICA_PREFIX.format(k),
-                         lambda op: plan.device(view.taskgraph_of[op], k), input_map,
-                         _replica_attr(k), known=forward_map)
+        if batch is None:
+            return clone_ops(apply_ops, REPLICA_PREFIX.format(k),
+                             lambda op: plan.device(view.taskgraph_of[op], k), input_map,
+                             _replica_attr(k), known=forward_map)
+        copier = OpCopier(view.graph, REPLICA_PREFIX.format(k),
+                          lambda op: plan.device(view.taskgraph_of[op], k), input_map,
+                          _replica_attr(k), known=forward_map, batch=batch)
+        for op in apply_ops:
+            copier.copy(op)
+        copier.close()
+        return copier
 
     @staticmethod
     def _rewire_replica0_apply(apply_ops, forward_map, grads_and_map) -> None:
@@ -1114,7 +1134,16 @@ def _local_sync_ops(mirrors: dict) -> dict:
     `_read`, `_assign` and tf.group build, written as NodeDefs and added in one
     batch (epl.ir.clone.NodeBatch): there is one such op group per variable.
     """
-    batch = NodeBatch(next(iter(mirrors)).graph) if mirrors else None
+    if not mirrors:
+        return {}
+    batch = NodeBatch(next(iter(mirrors)).graph)
+    groups = _write_local_sync(mirrors, batch)
+    created = batch.commit()
+    return {var: created[name] for var, name in groups.items()}
+
+
+def _write_local_sync(mirrors: dict, batch: NodeBatch) -> dict:
+    """Write `_local_sync_ops`'s ops into `batch`; {variable op: its NoOp's name}."""
     groups = {}
     for var, copies in mirrors.items():
         if len(copies) == 1:
@@ -1133,8 +1162,7 @@ def _local_sync_ops(mirrors: dict) -> dict:
                       use_locking=True)))
         groups[var] = batch.add(_node(batch, "NoOp", var.device, [f"^{a}" for a in assigns],
                                       name="group_deps"))
-    created = batch.commit() if batch is not None else {}
-    return {var: created[name] for var, name in groups.items()}
+    return groups
 
 
 def _node(batch: NodeBatch, op_type: str, device: str, inputs: list[str], name: str | None = None,
