@@ -542,23 +542,17 @@ def test_cli_prints_the_host_networks(capsys):
             "4 x 100 Gb/s (50.0 GB/s)") in out
 
 
-def test_cli_bad_network_points_at_it(capsys):
-    code, out, err = _cli(capsys, "--cluster", "2x8xA100@8x200",
-                          "--model", "bert-base")
+@pytest.mark.parametrize("cluster,expected", [
+    ("2x8xA100@8x200",  # a bad host network
+     "'2x8xA100@8x200':\n  2x8xA100@8x200\n           ^^^^^\ncannot read the host network "
+     "'8x200'; a host network is [NICS x] RATE"),
+    ("2x8xV100-32GB,,2x8xT4",  # an empty token
+     "'2x8xV100-32GB,,2x8xT4':\n  2x8xV100-32GB,,2x8xT4\n                ^\nempty token"),
+])
+def test_cli_bad_cluster_spec_points_at_the_bad_part(capsys, cluster, expected):
+    code, out, err = _cli(capsys, "--cluster", cluster, "--model", "bert-base")
     assert code == 2 and out == ""
-    assert err.startswith("epl-plan: error: cannot parse cluster spec "
-                          "'2x8xA100@8x200':\n  2x8xA100@8x200\n"
-                          "           ^^^^^\ncannot read the host network "
-                          "'8x200'; a host network is [NICS x] RATE")
-
-
-def test_cli_bad_cluster_spec_points_at_the_token(capsys):
-    code, out, err = _cli(capsys, "--cluster", "2x8xV100-32GB,,2x8xT4",
-                          "--model", "bert-base")
-    assert code == 2 and out == ""
-    assert err.startswith("epl-plan: error: cannot parse cluster spec "
-                          "'2x8xV100-32GB,,2x8xT4':\n  2x8xV100-32GB,,2x8xT4\n"
-                          "                ^\nempty token")
+    assert err.startswith("epl-plan: error: cannot parse cluster spec " + expected)
 
 
 def test_cli_unknown_device_lists_known_profiles(capsys):

@@ -224,6 +224,11 @@ def test_parse_cluster_bad_token_caret():
     ("T4,,T4", "     ^", "empty token"),
 ])
 def test_parse_cluster_bad_tokens_exact_message(spec, carets, why):
+    _assert_caret_error(spec, carets, why)
+
+
+def _assert_caret_error(spec, carets, why):
+    """parse_cluster(spec) fails with the spec, `carets` under the bad part, and `why`."""
     with pytest.raises(ClusterError) as info:
         parse_cluster(spec)
     assert str(info.value) == (f"cannot parse cluster spec {spec!r}:\n"
@@ -296,10 +301,7 @@ def test_parse_cluster_networks_apply_per_token():
      "token '@100Gbps' names no profile before '@'"),
 ])
 def test_parse_cluster_bad_network_exact_message(spec, carets, why):
-    with pytest.raises(ClusterError) as info:
-        parse_cluster(spec)
-    assert str(info.value) == (f"cannot parse cluster spec {spec!r}:\n"
-                               f"  {spec}\n{carets}\n{why}\n{FORM}")
+    _assert_caret_error(spec, carets, why)
 
 
 def test_host_network_checks_its_values():
