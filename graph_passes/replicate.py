@@ -171,9 +171,12 @@ def _slice_shapes(slices: dict, index: int) -> tuple:
                  else None for parts in slices.values())
 
 
-def _unit_prefix(k: int, m: int, micro: int) -> str:
-    """Name prefix of unit (k, m)'s copies."""
-    return REPLICA_PREFIX.format(k) + (f"/EPL_MICRO_BATCH_{m}" if micro > 1 else "")
+def _unit_inputs(slices: dict, mirrors: dict, k: int, index: int) -> dict:
+    """What a copy for replica k reads instead of the template's inputs: slice
+    `index` of each batch input and replica k's copy of each variable."""
+    input_map = {t: parts[index] for t, parts in slices.items()}
+    input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
+    return input_map
 
 
 def _replica_attr(k: int, micro_batch: int | None = None) -> dict:
@@ -362,9 +365,13 @@ class ReplicatePass(GraphPass):
                                               mirrors, multi_worker)
             ctx.artifacts["gradient_check"] = (plain[0], gradients[0])
         replica_maps = [dict(forward_copies[(k, 0)]) for k in range(plan.num_replicas)]
-        for k in range(1, plan.num_replicas):
-            replica_maps[k].update(self._copy_apply(view, plan, k, apply_ops, slices, mirrors,
-                                                    replica_maps[k], gradients[k]))
+        batch = NodeBatch(graph)
+        copiers = {k: self._copy_apply(view, plan, k, apply_ops, slices, mirrors, replica_maps[k],
+                                       gradients[k], 1, batch)
+                   for k in range(1, plan.num_replicas)}
+        created = batch.commit()
+        for k, copier in copiers.items():
+            replica_maps[k].update(copier.result(created))
         gradient_map = _gradient_map(view, gradients[0])
         split_vars = set(view.split_variables)
         for (orig, var), new in zip(view.gradients, gradients[0]):
@@ -663,9 +670,7 @@ class ReplicatePass(GraphPass):
         batch, sources, copiers = NodeBatch(view.graph), {}, {}
         for unit in units:
             k, m = unit
-            input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
-            input_map.update({var.outputs[0]: copies[k].outputs[0]
-                              for var, copies in mirrors.items()})
+            input_map = _unit_inputs(slices, mirrors, k, k * micro + m)
             attrs = _replica_attr(k, m if micro > 1 else None)
 
             def device_fn(op, k=k):
@@ -757,9 +762,7 @@ class ReplicatePass(GraphPass):
             constants, why_not = constants_by_shape[key]
             if why_not:
                 continue
-            input_map = {t: parts[k * micro + m] for t, parts in slices.items()}
-            input_map.update({var.outputs[0]: copies[k].outputs[0]
-                              for var, copies in mirrors.items()})
+            input_map = _unit_inputs(slices, mirrors, k, k * micro + m)
             devices = {plan.device(tg, 0): plan.device(tg, k) for tg in view.taskgraphs}
             writers[unit] = (template.write(
                 batch, _prefix(k, m, micro), lambda op, devices=devices: devices.get(op.device, op.device),
@@ -791,7 +794,7 @@ class ReplicatePass(GraphPass):
         devices = {}
         for taskgraph in view.taskgraphs:
             devices[plan.device(taskgraph, k0)] = plan.device(taskgraph, k)
-        op_map = clone_ops(source_ops, _unit_prefix(k, m, micro),
+        op_map = clone_ops(source_ops, _prefix(k, m, micro),
                            lambda op: devices.get(op.device, op.device), input_map,
                            _replica_attr(k, m if micro > 1 else None), known=known)
 
@@ -806,20 +809,13 @@ class ReplicatePass(GraphPass):
         return [mapped(g) for g in source_grads]
 
     @staticmethod
-    def _copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads,
-                    micro: int = 1, batch: NodeBatch | None = None):
-        """Copy the update (apply) ops for replica k > 0 (reading its accumulated gradients).
-
-        Returns {original op: copy}; with `batch`, the OpCopier that wrote the
-        copies into it (its `result` maps them once the batch is committed).
-        """
-        input_map = {t: parts[k * micro] for t, parts in slices.items()}
-        input_map.update({var.outputs[0]: copies[k].outputs[0] for var, copies in mirrors.items()})
+    def _copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads, micro: int,
+                    batch: NodeBatch) -> OpCopier:
+        """Write the copies of the update (apply) ops for replica k > 0 (reading its
+        accumulated gradients) into `batch`; the returned copier's `result` maps
+        them once the batch is committed."""
+        input_map = _unit_inputs(slices, mirrors, k, k * micro)
         input_map.update(_gradient_map(view, grads))
-        if batch is None:
-            return clone_ops(apply_ops, REPLICA_PREFIX.format(k),
-                             lambda op: plan.device(view.taskgraph_of[op], k), input_map,
-                             _replica_attr(k), known=forward_map)
         copier = OpCopier(view.graph, REPLICA_PREFIX.format(k),
                           lambda op: plan.device(view.taskgraph_of[op], k), input_map,
                           _replica_attr(k), known=forward_map, batch=batch)

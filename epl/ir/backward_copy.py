@@ -62,9 +62,9 @@ class TemplateBackward:
                     self.constants.append((op, value, colocation_root(op)))
 
     @staticmethod
-    def unusable(view, steps, amp_converted: bool, checkpoints: dict) -> str | None:
+    def unusable(view, steps, amp_ran: bool, checkpoints: dict) -> str | None:
         """Why the template cannot be copied for this graph (None: it can)."""
-        if amp_converted:
+        if amp_ran:
             return "the amp pass lowered forward ops after the template's autodiff"
         if any(checkpoints.get(id(step)) for step in steps):
             return "gradient checkpointing recomputes the forward pass inside the backward"
