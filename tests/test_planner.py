@@ -381,6 +381,101 @@ def test_alltoall_is_bound_by_the_slowest_host_network():
     assert fast_slow == pytest.approx(slow, rel=1e-9)
 
 
+def _alltoall(cluster, units, batch, alltoall_mb=64.0):
+    """_alltoall_time of one explicit placement and batch."""
+    from epl.planner.planner import _alltoall_time, _context, _totals
+    from epl.profiles import parse_cluster
+    model = _moe_model(alltoall_mb)
+    ctx = _context(model, parse_cluster(cluster), "sgd", sum(batch),
+                   PlanOptions())
+    return _alltoall_time(ctx, _totals(model.layers, False), units, batch)
+
+
+def test_alltoall_follows_the_expert_placement():
+    # One device per host, 6 + 2 of the 8 experts, 12 + 4 examples; 128 MiB
+    # per example (2 layers x 64 MiB), 16 MiB per expert.  Host 0 sends its
+    # 12 examples' share for host 1's 2 experts (12 x 2 x 16 MiB) and
+    # receives host 1's 4 examples' share for its 6 (4 x 6 x 16 MiB).
+    unit = 2 * 64 * 2**20 / 8
+    seconds = _alltoall("2x1xT4@1x100Gbps", [6, 2], [12, 4])
+    assert seconds == pytest.approx(max(12 * 2, 4 * 6) * unit / 12.5e9,
+                                    rel=1e-9)
+    # The placement that follows the batch (6 : 2 for 12 : 4) sends less
+    # than the even one: a host keeps its tokens when it holds the experts.
+    assert seconds < _alltoall("2x1xT4@1x100Gbps", [4, 4], [12, 4])
+    # Each host's own network carries its traffic: host 0's four NICs
+    # take its 24 units' worth; host 1's one NIC binds.
+    mixed = _alltoall("1x1xT4@4x100Gbps,1x1xT4@1x100Gbps", [6, 2], [12, 4])
+    assert mixed == pytest.approx(24 * unit / 12.5e9, rel=1e-9)
+
+
+def test_alltoall_within_a_host_uses_each_devices_link():
+    # One host, 2 T4s (PCIe 3, 16 GB/s): device 0 sends 12 examples' share
+    # for device 1's 2 experts and receives 4 examples' share for its 6.
+    unit = 2 * 64 * 2**20 / 8
+    seconds = _alltoall("1x2xT4", [6, 2], [12, 4])
+    assert seconds == pytest.approx(max(12 * 2, 4 * 6) * unit / 16e9,
+                                    rel=1e-9)
+
+
+def test_balanced_moe_loads_pay_the_slowest_phase_at_every_barrier():
+    # Experts and batch placed apart: every device's step is the slowest
+    # replicated work plus the slowest expert work plus the exchange (and
+    # its own optimizer update, after the last barrier); a device that is
+    # done early waits.
+    model = epl_plan.builtin_model("m6-mini", "float16")
+    plan = plan_cluster(model, "1x8xA100-40GB,1x8xV100-32GB", "adam", 1024,
+                        PlanOptions(compute_dtype="float16"))
+    loads = plan.alternative("data-parallel, balanced by capability").loads
+    steps = [load.step_s for load in loads]
+    assert max(steps) - min(steps) < 0.01 * max(steps)
+    assert min(load.wait_s for load in loads) >= 0
+    assert max(load.wait_s for load in loads) > 0
+    assert max(load.compute_s for load in loads) + loads[0].comm_s <= \
+        steps[0] * (1 + 1e-12)
+    text = plan.explain()
+    assert "wait ms" in text and "Note: wait: every split layer's " \
+        "all-to-all is a barrier" in text
+    # the dense model has no barrier and no wait column
+    dense = plan_cluster(_model(), "1x2xA100-40GB,1x2xT4", "sgd", 64)
+    assert all(load.wait_s == 0 for load in dense.chosen.loads)
+    assert "wait ms" not in dense.explain()
+
+
+@pytest.mark.parametrize("cluster", [
+    "1x8xV100-32GB,1x8xT4", "1x8xA100-40GB,1x8xV100-32GB",
+    "2x4xA100-80GB,2x4xT4",
+    "1x8xV100-32GB@4x100Gbps,1x8xT4@1x100Gbps",
+    "1x8xA100-40GB@8x200Gbps,1x8xV100-32GB@4x100Gbps",
+    "2x4xA100-80GB@4x200Gbps,2x4xT4@1x100Gbps"])
+def test_balanced_moe_plan_is_faster_than_the_even_split(cluster):
+    # The placements and batches the balanced plan tries include ones that
+    # keep the hosts' exchange small; before they did, balancing the
+    # V100 + T4 M6-mini made it slower than the even split.
+    model = epl_plan.builtin_model("m6-mini", "float16")
+    plan = plan_cluster(model, cluster, "adam", 1024,
+                        PlanOptions(compute_dtype="float16"))
+    even = plan.alternative(EVEN)
+    balanced = plan.alternative("data-parallel, balanced by capability")
+    assert balanced.feasible
+    assert balanced.step_time < even.step_time
+    # the fast devices hold more experts and more of the batch
+    first, last = balanced.loads[0], balanced.loads[-1]
+    assert first.shards > last.shards and first.batch > last.batch
+    assert sum(load.shards for load in balanced.loads) == model.split_units
+
+
+def test_expert_placements_run_from_even_to_proportional():
+    from epl.planner.planner import _placement_path
+    path = _placement_path([2, 2, 2, 2], [3.0, 3.0, 1.0, 1.0])
+    assert path[0] == [2, 2, 2, 2]
+    assert all(sum(p) == 8 for p in path)
+    assert all(sum(abs(a - b) for a, b in zip(p, q)) == 2
+               for p, q in zip(path, path[1:]))
+    assert path[-1] == [3, 3, 1, 1]  # 3/3 = 1/1: no move shortens it
+    assert _placement_path([2, 2], [1.0, 1.0]) == [[2, 2]]
+
+
 def test_more_network_makes_the_balanced_moe_plan_faster():
     model = epl_plan.builtin_model("m6-mini", "float16")
     options = PlanOptions(compute_dtype="float16")

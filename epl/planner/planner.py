@@ -23,8 +23,16 @@ Alternatives
   replicated over the remaining devices and given batch shares by their
   throughput.
 A model with split (expert) layers shards those layers' units (experts) over
-all devices in proportion to capability (`balance_shards`); each device runs
-its experts on the tokens routed to them (uniform top-1 routing assumed).
+all devices; each device runs its experts on the tokens sent to them (the
+MoE layer dispatches every example's capacity slots to every expert, so a
+device receives tokens in proportion to its experts).  Even: as many experts
+per device.  Balanced: the plan tries expert placements from the even one to
+the one proportional to the devices' speed on the experts' work
+(`_split_placements`), and for each the batch balanced by capability and, for
+a model with an expert all-to-all, batches between it and the even split
+(`_blended_batches`); it keeps the one with the shortest predicted step.
+Balancing compute alone is not enough there: the fast hosts' larger batches
+send more tokens across the network.
 
 The model of one device
 -----------------------
@@ -45,12 +53,17 @@ The model of one device
 - Compute: `cost_model.predict_time` (roofline at `efficiency` of peak) of
   the device's FLOPs and bytes: its examples' forward and backward, its
   experts' share, and the optimizer update of the parameters it updates.
+  With an expert all-to-all every split layer's exchange is a barrier, so
+  the step pays the slowest device's replicated work plus the slowest
+  device's expert work; a device done early waits (`DeviceLoad.wait_s`).
 - Communication: a ring all-reduce of the replicated gradients over the
   data-parallel devices (`cost_model.comm_time`) at the bandwidth of the
   link that bounds the ring (`_slowest_link`); the expert all-to-all
-  (dispatch and combine, forward and backward): each device's tokens
-  spread evenly over all devices, the part leaving the host through the
-  host's network, which its devices share; offload traffic over
+  (dispatch and combine, forward and backward; `_alltoall_time`): each
+  device's tokens go to every device in proportion to its experts, within
+  the host over each device's intra-node link, to other hosts through the
+  host's network; one exchange that every device waits for, as long as its
+  busiest link; offload traffic over
   `host_link_bandwidth` (parameters in for the forward and the backward,
   gradients out).  Communication is not overlapped with compute, so
   predicted step times are upper bounds.
@@ -61,11 +74,10 @@ The model of one device
   with k NICs per host NCCL runs k rings side by side, one per NIC, so the
   crossings go k times faster: the ring runs at the slowest host's network
   bandwidth (or at the slowest intra-node link of a host holding several
-  of the ring's devices, if that is slower).  In the all-to-all, a
-  device's bytes for other hosts go at the slowest host's network
-  bandwidth divided by the number of devices on the device's own host,
-  which share it (every host sends to and receives from every other host,
-  so the slowest one's NICs bind).  The network's latency, congestion and
+  of the ring's devices, if that is slower).  In the all-to-all, each host
+  sends and receives its own devices' traffic with other hosts through its
+  own NICs (both directions at once); the busiest host binds.  The
+  network's latency, congestion and
   topology (switch tiers, oversubscription) are not modelled.
 - Pipeline: a step takes (micro-batches + stages - 1) x the slowest stage's
   time per micro-batch (GPipe/1F1B bubble), stage s keeps
@@ -669,6 +681,7 @@ class DeviceLoad:
     usable: float
     compute_s: float
     comm_s: float
+    wait_s: float = 0.0  # idle at the expert all-to-all barriers
     host_bytes: float = 0.0
     host_usable: float = math.inf
     shards: int | None = None
@@ -700,8 +713,8 @@ class DeviceLoad:
 
     @property
     def step_s(self) -> float:
-        """Compute plus communication time."""
-        return self.compute_s + self.comm_s
+        """Compute, waiting for slower devices, and communication time."""
+        return self.compute_s + self.wait_s + self.comm_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -823,11 +836,6 @@ class _Context:
             sizes[device.host] = sizes.get(device.host, 0) + 1
         return sizes
 
-    @functools.cached_property
-    def slowest_network(self) -> float:
-        """The slowest host's network (all its NICs), bytes/s per direction."""
-        return min(d.network.bandwidth for d in self.devices)
-
     def usable(self, device: ClusterDevice) -> float:
         """Bytes a plan may use on `device`."""
         return device.profile.memory_bytes * self.options.usable_fraction
@@ -876,25 +884,46 @@ def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
     return network, "inter-node"
 
 
-def _alltoall_per_example(ctx: _Context, totals: _Totals,
-                          device: ClusterDevice) -> float:
-    """Seconds one example's expert all-to-all takes on `device`.
+def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
+                   batch: Sequence[int]) -> float:
+    """Seconds of one step's expert all-to-all (every split layer's dispatch
+    and combine, forward and backward); every device waits for all of it.
 
-    Its tokens go evenly to all n devices: (local - 1)/n of the bytes to the
-    other devices of its host over the intra-node link, (n - local)/n to
-    other hosts through the host's network (all its NICs; the slowest
-    host's, since every host sends to and receives from every other),
-    which the host's `local` devices share; both directions run at once.
+    Tokens are routed uniformly over the experts (the cost model's
+    assumption), so a device's tokens go to device e in proportion to e's
+    experts, u_e / U: with experts placed by capability, a fast host keeps
+    more of its own tokens.  Per example, A bytes travel (`alltoall`).
+    - Within host h (U_h experts): device d sends b_d A (U_h - u_d) / U to
+      its host's other devices and receives (B_h - b_d) A u_d / U from them,
+      both at once, over its intra-node link.
+    - Across hosts: host h sends B_h A (U - U_h) / U and receives
+      (B - B_h) A U_h / U through its own network (all its NICs, each
+      direction at its full bandwidth).
+    The exchange takes as long as its busiest link, on whichever host.
     """
-    n = len(ctx.devices)
-    if n <= 1 or not totals.alltoall:
+    units_total = sum(units)
+    if len(ctx.devices) <= 1 or not totals.alltoall or not units_total:
         return 0.0
-    local = ctx.host_sizes[device.host]
-    intra = totals.alltoall * (local - 1) / n / \
-        device.profile.intra_node_bandwidth
-    inter = totals.alltoall * (n - local) / n / (
-        ctx.slowest_network / local) if n > local else 0.0
-    return max(intra, inter)
+    per_unit = totals.alltoall / units_total
+    host_units: dict[int, int] = {}
+    host_batch: dict[int, int] = {}
+    for device, u, b in zip(ctx.devices, units, batch):
+        host_units[device.host] = host_units.get(device.host, 0) + u
+        host_batch[device.host] = host_batch.get(device.host, 0) + b
+    total_batch = sum(batch)
+    seconds = 0.0
+    for device, u, b in zip(ctx.devices, units, batch):
+        h = device.host
+        sent = b * per_unit * (host_units[h] - u)
+        received = (host_batch[h] - b) * per_unit * u
+        seconds = max(seconds, max(sent, received)
+                      / device.profile.intra_node_bandwidth)
+    networks = {d.host: d.network.bandwidth for d in ctx.devices}
+    for h, bandwidth in networks.items():
+        sent = host_batch[h] * per_unit * (units_total - host_units[h])
+        received = (total_batch - host_batch[h]) * per_unit * host_units[h]
+        seconds = max(seconds, max(sent, received) / bandwidth)
+    return seconds
 
 
 def _per_example_time(ctx: _Context, device: ClusterDevice,
@@ -944,19 +973,89 @@ def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
                         params + grads + slots, update, 2 * params + grads)
 
 
-def _split_units(ctx: _Context, totals: _Totals, caps: list[float],
-                 balanced: bool, zero: bool) -> list[int]:
-    """Split units (experts) per device: proportional to capability when
-    balanced, else even; each device at least one."""
+#: At most this many expert placements are evaluated per balanced plan.
+MAX_PLACEMENTS = 17
+
+
+def _barriers(ctx: _Context, totals: _Totals) -> bool:
+    """Whether the devices meet at an expert all-to-all in every split
+    layer (then the replicated and the expert work are balanced apart)."""
+    return bool(totals.alltoall) and len(ctx.devices) > 1 and \
+        ctx.model.split_units > 0
+
+
+def _split_time(ctx: _Context, device: ClusterDevice, totals: _Totals
+                ) -> float:
+    """Seconds of one example's split-layer work (all experts) on `device`;
+    0 when the model has none."""
+    return ctx.time(device, totals.split_flops, totals.split_bytes)
+
+
+def _placement_path(start: list[int], speed: list[float]) -> list[list[int]]:
+    """Placements from `start` towards the one that finishes the experts
+    soonest: each step moves one unit from the device that finishes its
+    units last (keeping at least one) to the one that would finish one more
+    unit first, while that shortens the slowest device's time (ties to the
+    lower index).  Returns every placement on the way, `start` first."""
+    units, n = list(start), len(start)
+    path = [list(units)]
+    while True:
+        donors = [i for i in range(n) if units[i] > 1]
+        if not donors:
+            break
+        src = max(donors, key=lambda i: (units[i] / speed[i], -i))
+        dst = min(range(n), key=lambda i: ((units[i] + 1) / speed[i], i))
+        if (units[dst] + 1) / speed[dst] >= units[src] / speed[src]:
+            break
+        units[src] -= 1
+        units[dst] += 1
+        path.append(list(units))
+    return path
+
+
+def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
+                      balanced: bool, zero: bool) -> list[list[int]]:
+    """Candidate split units (experts) per device, each device at least one.
+
+    Even: one candidate, the even split.  Balanced: the placements on the
+    way from the even split to the one proportional to each device's speed
+    (`_placement_path`, one unit moved at a time; at most `MAX_PLACEMENTS`,
+    evenly spaced), and the proportional one rounded within memory
+    (`balance.balance_shards`).  The speed is the device's on the experts'
+    work when the all-to-all barriers separate it from the replicated work
+    (`_barriers`), else on a whole example.  The caller evaluates each
+    candidate and keeps the fastest.
+
+    Why not just the proportional one: the experts a device holds set how
+    many tokens its host receives from other hosts, and its batch how many
+    it sends (`_alltoall_time`); when the two shares differ, the hosts
+    exchange more than they need to.  Whole experts per device make them
+    differ: 32 experts over 8 + 8 devices 1.95x apart round to 3 and 1 (24
+    of 32 on the fast host for a 66% share).  A less skewed placement can
+    be faster; only the whole cost model can tell.  `caps` (examples/s of
+    the replicated work) estimate each device's batch share, whose
+    activations take memory too.
+    """
     units, n = ctx.model.split_units, len(ctx.devices)
     if not units:
-        return [0] * n
+        return [[0] * n]
     if units < n:
         raise ClusterError(
             f"the split dimension has {units} units (experts) but the "
             f"cluster has {n} devices; every device needs at least one")
+    even = balance.proportional_shares(units, [1.0] * n, minimum=1)
     if not balanced:
-        return balance.proportional_shares(units, [1.0] * n, minimum=1)
+        return [even]
+    if _barriers(ctx, totals):
+        speed = [1.0 / _split_time(ctx, d, totals) for d in ctx.devices]
+    else:
+        speed = [1.0 / (_per_example_time(ctx, d, totals) +
+                        _split_time(ctx, d, totals)) for d in ctx.devices]
+    path = _placement_path(even, speed)
+    if len(path) > MAX_PLACEMENTS:
+        last = len(path) - 1
+        path = [path[round(i * last / (MAX_PLACEMENTS - 1))]
+                for i in range(MAX_PLACEMENTS)]
     state_copies = 0 if ctx.options.offload else 2 + ctx.slots
     per_unit = (totals.split_params / units) * state_copies + \
         totals.split_act * ctx.global_batch / units
@@ -964,45 +1063,99 @@ def _split_units(ctx: _Context, totals: _Totals, caps: list[float],
     fixed = [s.parameters + s.gradients + s.optimizer + totals.act *
              ctx.global_batch * c / sum(caps) for s, c in zip(empty, caps)]
     try:
-        return list(balance.balance_shards(
-            units, caps, per_unit, fixed,
-            [ctx.usable(d) for d in ctx.devices],
+        fitted = list(balance.balance_shards(
+            units, speed, per_unit, fixed, [ctx.usable(d) for d in ctx.devices],
             [d.profile.name for d in ctx.devices]).sizes)
     except ClusterError:
-        return balance.proportional_shares(units, caps, minimum=1)
+        fitted = balance.proportional_shares(units, speed, minimum=1)
+    return path + [fitted] if fitted not in path else path
 
 
 def _data_parallel(ctx: _Context, name: str, balanced: bool,
                    checkpointing: bool, zero: bool) -> Alternative:
-    """Evaluate one data-parallel alternative."""
+    """Evaluate one data-parallel alternative.
+
+    Even: the even split of the batch and of the split units.  Balanced:
+    for each candidate expert placement (`_split_placements`), the batch
+    balanced by capability within memory (`_batch_sizes`) and, when the
+    model has an expert all-to-all, the batches on the way from the even
+    split to it (`_blended_batches`); the assignment that fits with the
+    shortest predicted step is kept (the first on a tie).
+    """
     devices, n = ctx.devices, len(ctx.devices)
     totals = _totals(ctx.model.layers, checkpointing)
-    caps = [1.0 / (_per_example_time(ctx, d, totals)
-                   + _alltoall_per_example(ctx, totals, d)) for d in devices]
+    # Capability is compute speed: the all-to-all is one exchange every
+    # device waits for (`_alltoall_time`), not a per-device cost to balance.
+    caps = [1.0 / _per_example_time(ctx, d, totals) for d in devices]
     try:
-        units = _split_units(ctx, totals, caps, balanced, zero)
+        placements = _split_placements(ctx, totals, caps, balanced, zero)
     except ClusterError as err:
         return Alternative(name, (), False, str(err), checkpointing, zero)
-    states = [_device_state(ctx, totals, u, n, zero) for u in units]
-    busy = [_busy_time(ctx, d, totals, u, s)
-            for d, u, s in zip(devices, units, states)]
-    batch = _batch_sizes(ctx, devices, caps, states, totals.act, balanced,
-                         busy)
-    loads = _dp_loads(ctx, totals, units, states, batch)
-    reason = _memory_reason(loads)
+    barriers = _barriers(ctx, totals)
+    best = None
+    for units in placements:
+        states = [_device_state(ctx, totals, u, n, zero) for u in units]
+        busy = [_busy_time(ctx, d, totals, u, s, barriers)
+                for d, u, s in zip(devices, units, states)]
+        batch = _batch_sizes(ctx, devices, caps, states, totals.act,
+                             balanced, busy)
+        batches = _blended_batches(ctx.global_batch, batch) \
+            if balanced and barriers else [batch]
+        for sizes in batches:
+            loads = _dp_loads(ctx, totals, units, states, sizes)
+            reason = _memory_reason(loads)
+            key = (bool(reason), max(load.step_s for load in loads))
+            if best is None or key < best[0]:
+                best = (key, loads, reason)
+    _, loads, reason = best
     return Alternative(name, tuple(loads), not reason, reason, checkpointing,
                        zero)
 
 
+#: Blends of the even batch (0) and the balanced one (1) a plan with an
+#: expert all-to-all tries.
+BATCH_BLENDS = tuple(i / 8 for i in range(8, -1, -1))
+
+
+def _blended_batches(global_batch: int, balanced: list[int]
+                     ) -> list[list[int]]:
+    """The balanced batch sizes, then blends of them with the even split
+    (`BATCH_BLENDS`, distinct ones only), all summing to `global_batch`.
+
+    Balancing equalizes compute, but in the all-to-all each host sends the
+    tokens of its whole batch that go to other hosts' experts: piling the
+    batch onto the fast devices loads their hosts' networks.  When the
+    network binds, a batch between the even and the balanced one is
+    fastest; the caller keeps whichever the cost model predicts fastest
+    (memory is checked there, so an even share too large for a small
+    device is ruled out).
+    """
+    n = len(balanced)
+    out = [list(balanced)]
+    for blend in BATCH_BLENDS:
+        if blend >= 1:
+            continue
+        weights = [(1 - blend) * global_batch / n + blend * b
+                   for b in balanced]
+        sizes = balance.proportional_shares(global_batch, weights)
+        if sizes not in out:
+            out.append(sizes)
+    return out
+
+
 def _busy_time(ctx: _Context, device: ClusterDevice, totals: _Totals,
-               units: int, state: _DeviceState) -> float:
-    """Seconds `device` computes whatever its batch: its experts' share of
-    the split layers and its optimizer update."""
+               units: int, state: _DeviceState, barriers: bool) -> float:
+    """Seconds `device` computes whatever its batch, which its batch share
+    must make up for: its optimizer update and, unless the all-to-all
+    barriers make every device wait for the slowest expert work anyway
+    (`_dp_loads`), its experts' share of the split layers."""
+    update = ctx.update_time(device, state.update_bytes)
+    if barriers:
+        return update
     share = units / ctx.model.split_units if ctx.model.split_units else 0.0
     tokens = ctx.global_batch * share
     return ctx.time(device, tokens * totals.split_flops,
-                    tokens * totals.split_bytes) + \
-        ctx.update_time(device, state.update_bytes)
+                    tokens * totals.split_bytes) + update
 
 
 def _batch_sizes(ctx: _Context, devices: Sequence[ClusterDevice],
@@ -1034,26 +1187,42 @@ def _batch_sizes(ctx: _Context, devices: Sequence[ClusterDevice],
 def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
               states: list[_DeviceState], batch: list[int]
               ) -> list[DeviceLoad]:
-    """Per-device loads of a data-parallel assignment."""
+    """Per-device loads of a data-parallel assignment.
+
+    With an expert all-to-all, every split layer's exchange is a barrier:
+    the experts start when the last device has sent its tokens, and the
+    next layer when the last expert has sent them back.  So the step pays
+    the slowest device's replicated work plus the slowest device's expert
+    work, not the slowest sum of both; a device that is done early waits
+    (`DeviceLoad.wait_s`).  Each layer's work divides among the devices in
+    the same proportions, so summing over layers first gives the same
+    maxima.
+    """
     devices, n = ctx.devices, len(ctx.devices)
     bandwidth, _ = _slowest_link(devices)
     allreduce = cm.comm_time(totals.params, bandwidth, n)
-    loads = []
-    for device, u, state, b in zip(devices, units, states, batch):
+    alltoall = _alltoall_time(ctx, totals, units, batch)
+    dense, expert = [], []
+    for device, u, b in zip(devices, units, batch):
         share = u / ctx.model.split_units if ctx.model.split_units else 0.0
         tokens = ctx.global_batch * share
-        compute = ctx.time(device, b * totals.flops + tokens *
-                           totals.split_flops, b * totals.bytes + tokens *
-                           totals.split_bytes)
-        compute += ctx.update_time(device, state.update_bytes)
-        comm = allreduce + b * _alltoall_per_example(ctx, totals, device)
+        dense.append(ctx.time(device, b * totals.flops, b * totals.bytes))
+        expert.append(ctx.time(device, tokens * totals.split_flops,
+                               tokens * totals.split_bytes))
+    barrier = alltoall > 0
+    loads = []
+    for device, u, state, b, d, e in zip(devices, units, states, batch,
+                                         dense, expert):
+        compute = d + e + ctx.update_time(device, state.update_bytes)
+        wait = (max(dense) - d) + (max(expert) - e) if barrier else 0.0
+        comm = allreduce + alltoall
         comm += state.offload_traffic / ctx.options.host_link_bandwidth
         loads.append(DeviceLoad(
             device=device, batch=b, parameters=state.parameters,
             gradients=state.gradients, optimizer=state.optimizer,
             activations=state.activations + b * totals.act,
             usable=ctx.usable(device), compute_s=compute, comm_s=comm,
-            host_bytes=state.host,
+            wait_s=wait, host_bytes=state.host,
             host_usable=ctx.options.host_memory_per_device
             if ctx.options.offload else math.inf,
             shards=u if ctx.model.split_units else None))
@@ -1547,6 +1716,8 @@ def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
     header += ["params", "grads", "optim", "activ", "total/usable GB"]
     header += ["host GB"] if offload else []
     header += ["compute ms", "comm ms"]
+    wait = any(load.wait_s for load in alt.loads)
+    header += ["wait ms"] if wait else []
     rows: dict[tuple, list[ClusterDevice]] = {}
     for load in alt.loads:
         row = [load.device.profile.name, str(load.batch)]
@@ -1560,6 +1731,7 @@ def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
         row += [f"{_num(load.host_bytes)}/{load.host_usable / GiB:.0f}"] \
             if offload else []
         row += [_ms(load.compute_s), _ms(load.comm_s)]
+        row += [_ms(load.wait_s)] if wait else []
         rows.setdefault(tuple(row), []).append(load.device)
     body = []
     for row, devices in rows.items():
@@ -1646,11 +1818,12 @@ def _explain(plan: ClusterPlan) -> str:
     chosen = plan.chosen
     lines = [_model_line(plan), _cluster_line(plan), _network_line(plan),
              ""]
+    slowest = max(chosen.loads, key=lambda load: load.step_s)
+    wait = f", waiting {_ms(slowest.wait_s)} ms" if slowest.wait_s else ""
     lines.append(f"Chosen plan: {chosen.name}: predicted step "
                  f"{_ms(chosen.step_time)} ms (slowest device: compute "
-                 f"{_ms(max(l.compute_s for l in chosen.loads))} ms, "
-                 f"communication {_ms(max(l.comm_s for l in chosen.loads))} "
-                 f"ms)")
+                 f"{_ms(slowest.compute_s)} ms{wait}, communication "
+                 f"{_ms(slowest.comm_s)} ms)")
     if chosen.pipeline_stages > 1:
         lines.append(f"  {chosen.num_micro_batch} micro-batches per step; "
                      f"earlier stages on devices with more memory")
@@ -1664,6 +1837,10 @@ def _explain(plan: ClusterPlan) -> str:
     if chosen.pipeline_stages > 1:
         notes.append("pipeline: the activations sent between stages are "
                      "not counted in communication")
+    if any(load.wait_s for load in chosen.loads):
+        notes.append("wait: every split layer's all-to-all is a barrier, so "
+                     "a device idles until the slowest device's replicated "
+                     "work, and then its expert work, is done")
     if plan.options.offload:
         notes.append("offload: params and grads on the device are working "
                      "buffers (the largest layer's, parameters double-"
