@@ -604,6 +604,31 @@ def test_local_replica_weights_follow_cluster_device_profiles():
     assert plan.batch_sizes(12) == [9, 3]
 
 
+def test_local_weights_use_the_dtype_training_computes_in():
+    # An A100 is 1.24x a V100 in float32 and 2.5x in float16: under AMP the
+    # batch shares and the split pass's shard sizes follow the float16 peaks.
+    from epl.cluster import Cluster
+    from epl.planner.planner import local_replica_weights, local_shard_weights
+    from epl.profiles import get_profile
+    graph, view = _one_stage_graph(batch=12)
+    cluster = Cluster("CPU", 2)
+    # memory bandwidth out of the way: the tiny matmul is compute-bound
+    profiles = {"CPU:0": {"base": "A100-40GB", "memory_bandwidth": 1e18},
+                "CPU:1": {"base": "V100-32GB", "memory_bandwidth": 1e18}}
+    a100, v100 = get_profile("A100-40GB"), get_profile("V100-32GB")
+    devices = ["/device:CPU:0", "/device:CPU:1"]
+    for amp, dtype in (("", "float32"), ("O1", "float16")):
+        config = epl.Config({"cluster.virtual_devices": 2, "amp.level": amp,
+                             "cluster.device_profiles": profiles})
+        fast, slow = a100.flops(dtype), v100.flops(dtype)
+        assert local_shard_weights(cluster, config, devices) == \
+            pytest.approx([fast / (fast + slow), slow / (fast + slow)])
+        expected = proportional_shares(12, [fast, slow])
+        weights = local_replica_weights(view, cluster, config)
+        assert [round(w * 12) for w in weights] == expected
+    assert expected == [9, 3]  # float16: 312 vs 125 TFLOP/s (float32: 7, 5)
+
+
 # ------------------------------------------------------------------ CLI --
 
 def _cli(capsys, *argv):

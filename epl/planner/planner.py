@@ -1995,11 +1995,22 @@ def local_replica_weights(view: Any, cluster: Any, config: Any
     if len(set(profiles)) == 1:
         return None
     weights = replica_weights_for_local_devices(
-        view, profiles, view.global_batch_size)
+        view, profiles, view.global_batch_size,
+        options=PlanOptions(compute_dtype=local_compute_dtype(config)))
     first = weights[0]
     if all(math.isclose(w, first, rel_tol=1e-12) for w in weights):
         return None
     return weights
+
+
+def local_compute_dtype(config: Any) -> str:
+    """The dtype the local devices' matmuls run in: `amp.dtype` when
+    mixed precision is on (`amp.level`), else float32.  Peak FLOP/s differ
+    by dtype and by device differently (an A100 is 1.2x a V100 in float32,
+    2.5x in float16), so the shares must use the one training runs in."""
+    if config.get("amp.level"):
+        return normalize_dtype(config.get("amp.dtype"))
+    return "float32"
 
 
 def local_profiles(cluster: Any, config: Any) -> list[DeviceProfile] | None:
@@ -2019,16 +2030,17 @@ def local_shard_weights(cluster: Any, config: Any, devices: Sequence[str]
     """Capability weights of a split TaskGraph's devices (the split pass's shard sizes).
 
     None (even shards) unless `cluster.device_profiles` makes the devices
-    differ; then each device's share is proportional to its float32 peak
-    FLOP/s (a shard's work grows with its size), the Whale paper's
-    capability-proportional split.
+    differ; then each device's share is proportional to its peak FLOP/s in
+    the dtype it computes in (`local_compute_dtype`; a shard's work grows
+    with its size), the Whale paper's capability-proportional split.
     """
     profiles = local_profiles(cluster, config)
     if profiles is None:
         return None
+    dtype = local_compute_dtype(config)
     chosen = [profiles[int(device.rsplit(":", 1)[1])] for device in devices]
-    total_flops = sum(p.flops("float32") for p in chosen)
-    weights = [p.flops("float32") / total_flops for p in chosen]
+    total_flops = sum(p.flops(dtype) for p in chosen)
+    weights = [p.flops(dtype) / total_flops for p in chosen]
     if all(math.isclose(w, weights[0], rel_tol=1e-12) for w in weights):
         return None
     return weights
