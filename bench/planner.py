@@ -16,7 +16,11 @@ at least 2x), a line counting the rows that meet and miss the target, and
 checks that no balanced plan runs out of memory where the even split fits.
 "comm" is the share of communication (gradient all-reduce, expert
 all-to-all) in the even split's step on its slowest device: balancing
-cannot shorten it, so it bounds the ratio.
+cannot shorten it, so it bounds the ratio.  For a row that misses the
+target, the ratio line adds the fastest plan an exhaustive search finds
+(`exhaustive_best`: every split of the experts and of the batch between the
+two device kinds, through the planner's own cost model), to tell a search
+that falls short from a cluster that cannot do better.
 
 It does so twice, for the same clusters with two networks:
 
@@ -51,6 +55,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from epl.errors import ClusterError  # noqa: E402
+from epl.planner import planner as planner_lib  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
 from epl.profiles import parse_cluster  # noqa: E402
 from tools.epl_plan import builtin_model  # noqa: E402
@@ -97,6 +102,61 @@ def _case(cluster: str, model_name: str, per_device: int) -> dict:
     }
 
 
+def _spread(total: int, n: int) -> list[int]:
+    """`total` over `n` devices as evenly as whole numbers allow."""
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+def exhaustive_best(cluster: str, model_name: str, per_device: int
+                    ) -> float | None:
+    """The fastest data-parallel plan of a two-kind cluster, by brute force.
+
+    Every split of the experts between the two device kinds (spread evenly
+    within a kind, at least one per device) and every split of the batch
+    (whole examples per device of the first kind, the rest spread over the
+    second), each evaluated with the planner's own cost model
+    (`_dp_loads`); returns the shortest predicted step (seconds) among
+    those that fit, or None for a cluster without exactly two kinds or a
+    model without split layers.  A check of the planner's search, which
+    tries far fewer assignments, not a planner.
+    """
+    model = builtin_model(model_name, DTYPE)
+    hosts = parse_cluster(cluster)
+    batch = per_device * sum(h.devices for h in hosts)
+    ctx = planner_lib._context(model, hosts, "adam", batch,
+                               PlanOptions(compute_dtype=DTYPE))
+    kinds = sorted({d.profile.name for d in ctx.devices})
+    units = model.split_units
+    if len(kinds) != 2 or not units:
+        return None
+    totals = planner_lib._totals(model.layers, False)
+    first = [i for i, d in enumerate(ctx.devices)
+             if d.profile.name == kinds[0]]
+    second = [i for i in range(len(ctx.devices)) if i not in first]
+    best = None
+    for on_first in range(len(first), units - len(second) + 1):
+        placement = [0] * len(ctx.devices)
+        for group, total in ((first, on_first), (second, units - on_first)):
+            for i, u in zip(group, _spread(total, len(group))):
+                placement[i] = u
+        states = [planner_lib._device_state(ctx, totals, u, len(placement),
+                                            False) for u in placement]
+        for each in range(batch // len(first) + 1):
+            sizes = [0] * len(ctx.devices)
+            for i in first:
+                sizes[i] = each
+            rest = batch - each * len(first)
+            for i, b in zip(second, _spread(rest, len(second))):
+                sizes[i] = b
+            loads = planner_lib._dp_loads(ctx, totals, placement, states,
+                                          sizes)
+            if planner_lib._memory_reason(loads):
+                continue
+            step = max(load.step_s for load in loads)
+            best = step if best is None else min(best, step)
+    return best
+
+
 def _ms(alt) -> str:
     """Step time in ms, or OOM."""
     return f"{alt.step_time * 1e3:.1f}" if alt.feasible else "OOM"
@@ -126,6 +186,9 @@ def mixed_clusters(clusters=CLUSTERS, tag: str = "") -> list[str]:
                 f"{(f'{ratio:.2f}x' if ratio else '-'):>6}  "
                 f"{case['chosen'].name}")
             name = f"{cluster_name}, {model_name}"
+            if ratio is not None and case["gap"] >= 2 and ratio < TARGET:
+                case["exhaustive"] = exhaustive_best(cluster, model_name,
+                                                     per_device)
             ratios.append(_ratio_line(f"{name}, {tag}" if tag else name,
                                       case, ratio))
             if ratio is not None and case["gap"] >= 2:
@@ -154,6 +217,12 @@ def _ratio_line(label: str, case: dict, ratio: float | None) -> str:
         if ratio < TARGET:
             target += (f"; communication, the same on every device, is "
                        f"{case['comm']:.0%} of the even split's step")
+            best = case.get("exhaustive")
+            if best:
+                target += (f"; the fastest plan of an exhaustive search "
+                           f"(experts and examples per device kind): "
+                           f"{best * 1e3:.1f} ms, "
+                           f"{case['even'].step_time / best:.2f}x")
     else:
         target = "gap < 2x: no target"
     return (f"ratio even/balanced [{label}]: {ratio:.2f}x "

@@ -476,6 +476,15 @@ def test_expert_placements_run_from_even_to_proportional():
     assert _placement_path([2, 2], [1.0, 1.0]) == [[2, 2]]
 
 
+def test_batches_tried_run_from_balanced_to_even_and_to_the_experts():
+    from epl.planner.planner import _blended_batches
+    batches = _blended_batches(16, [12, 4], [1, 3])
+    assert batches[0] == [12, 4]                 # the balanced one first
+    assert [8, 8] in batches and [4, 12] in batches  # even; follows experts
+    assert all(sum(b) == 16 for b in batches)
+    assert len(batches) == len({tuple(b) for b in batches})
+
+
 def test_more_network_makes_the_balanced_moe_plan_faster():
     model = epl_plan.builtin_model("m6-mini", "float16")
     options = PlanOptions(compute_dtype="float16")

@@ -1099,7 +1099,7 @@ def _data_parallel(ctx: _Context, name: str, balanced: bool,
                 for d, u, s in zip(devices, units, states)]
         batch = _batch_sizes(ctx, devices, caps, states, totals.act,
                              balanced, busy)
-        batches = _blended_batches(ctx.global_batch, batch) \
+        batches = _blended_batches(ctx.global_batch, batch, units) \
             if balanced and barriers else [batch]
         for sizes in batches:
             loads = _dp_loads(ctx, totals, units, states, sizes)
@@ -1112,34 +1112,41 @@ def _data_parallel(ctx: _Context, name: str, balanced: bool,
                        zero)
 
 
-#: Blends of the even batch (0) and the balanced one (1) a plan with an
+#: Blends of the balanced batch (1) with another one (0) that a plan with an
 #: expert all-to-all tries.
 BATCH_BLENDS = tuple(i / 8 for i in range(8, -1, -1))
 
 
-def _blended_batches(global_batch: int, balanced: list[int]
-                     ) -> list[list[int]]:
-    """The balanced batch sizes, then blends of them with the even split
-    (`BATCH_BLENDS`, distinct ones only), all summing to `global_batch`.
+def _blended_batches(global_batch: int, balanced: list[int],
+                     units: list[int]) -> list[list[int]]:
+    """Batch sizes to try with the placement `units`, all summing to
+    `global_batch`: the balanced ones first, then their blends
+    (`BATCH_BLENDS`) with the even split and with the batch that follows
+    the experts (shares proportional to `units`); distinct ones only.
 
     Balancing equalizes compute, but in the all-to-all each host sends the
-    tokens of its whole batch that go to other hosts' experts: piling the
-    batch onto the fast devices loads their hosts' networks.  When the
-    network binds, a batch between the even and the balanced one is
-    fastest; the caller keeps whichever the cost model predicts fastest
-    (memory is checked there, so an even share too large for a small
-    device is ruled out).
+    tokens of its batch that go to other hosts' experts, and receives the
+    other hosts' tokens for its own experts.  Piling the batch onto the
+    fast devices loads their hosts' networks (towards even sends less);
+    a batch whose shares match the experts' makes each host send as much as
+    it receives, the least for its share (towards the experts).  When the
+    network binds, the fastest batch lies on one of these lines; the caller
+    keeps whichever the cost model predicts fastest (memory is checked
+    there, so a share too large for a device is ruled out).
     """
     n = len(balanced)
+    anchors = ([global_batch / n] * n,
+               [global_batch * u / sum(units) for u in units])
     out = [list(balanced)]
-    for blend in BATCH_BLENDS:
-        if blend >= 1:
-            continue
-        weights = [(1 - blend) * global_batch / n + blend * b
-                   for b in balanced]
-        sizes = balance.proportional_shares(global_batch, weights)
-        if sizes not in out:
-            out.append(sizes)
+    for anchor in anchors:
+        for blend in BATCH_BLENDS:
+            if blend >= 1:
+                continue
+            weights = [(1 - blend) * a + blend * b
+                       for a, b in zip(anchor, balanced)]
+            sizes = balance.proportional_shares(global_batch, weights)
+            if sizes not in out:
+                out.append(sizes)
     return out
 
 
