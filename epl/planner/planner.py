@@ -29,8 +29,9 @@ device receives tokens in proportion to its experts).  Even: as many experts
 per device.  Balanced: the plan tries expert placements from the even one to
 the one proportional to the devices' speed on the experts' work
 (`_split_placements`), and for each the batch balanced by capability and, for
-a model with an expert all-to-all, batches between it and the even split
-(`_blended_batches`); it keeps the one with the shortest predicted step.
+a model with an expert all-to-all, batches between it and the even split or
+the batch that follows the experts (`_blended_batches`); it keeps the one
+with the shortest predicted step.
 Balancing compute alone is not enough there: the fast hosts' larger batches
 send more tokens across the network.  This departs from DESIGN.md's rule
 (the Whale paper's: load proportional to capability) for such models only;
@@ -96,7 +97,6 @@ plan and text.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -831,14 +831,6 @@ class _Context:
     options: PlanOptions
     dtype: str
 
-    @functools.cached_property
-    def host_sizes(self) -> dict[int, int]:
-        """Host index -> its number of devices."""
-        sizes: dict[int, int] = {}
-        for device in self.devices:
-            sizes[device.host] = sizes.get(device.host, 0) + 1
-        return sizes
-
     def usable(self, device: ClusterDevice) -> float:
         """Bytes a plan may use on `device`."""
         return device.profile.memory_bytes * self.options.usable_fraction
@@ -892,10 +884,9 @@ def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
     """Seconds of one step's expert all-to-all (every split layer's dispatch
     and combine, forward and backward); every device waits for all of it.
 
-    Tokens are routed uniformly over the experts (the cost model's
-    assumption), so a device's tokens go to device e in proportion to e's
-    experts, u_e / U: with experts placed by capability, a fast host keeps
-    more of its own tokens.  Per example, A bytes travel (`alltoall`).
+    A device's tokens go to device e in proportion to e's experts, u_e / U
+    (the MoE layer sends every example's capacity slots for every expert):
+    a host holding many experts keeps more of its own tokens.  Per example, A bytes travel (`alltoall`).
     - Within host h (U_h experts): device d sends b_d A (U_h - u_d) / U to
       its host's other devices and receives (B_h - b_d) A u_d / U from them,
       both at once, over its intra-node link.
@@ -1081,9 +1072,10 @@ def _data_parallel(ctx: _Context, name: str, balanced: bool,
     Even: the even split of the batch and of the split units.  Balanced:
     for each candidate expert placement (`_split_placements`), the batch
     balanced by capability within memory (`_batch_sizes`) and, when the
-    model has an expert all-to-all, the batches on the way from the even
-    split to it (`_blended_batches`); the assignment that fits with the
-    shortest predicted step is kept (the first on a tie).
+    model has an expert all-to-all, its blends with the even split and with
+    the batch that follows the experts (`_blended_batches`); the assignment
+    that fits with the shortest predicted step is kept (the first on a
+    tie).
     """
     devices, n = ctx.devices, len(ctx.devices)
     totals = _totals(ctx.model.layers, checkpointing)
@@ -1219,7 +1211,7 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
         dense.append(ctx.time(device, b * totals.flops, b * totals.bytes))
         expert.append(ctx.time(device, tokens * totals.split_flops,
                                tokens * totals.split_bytes))
-    barrier = alltoall > 0
+    barrier = _barriers(ctx, totals)
     loads = []
     for device, u, state, b, d, e in zip(devices, units, states, batch,
                                          dense, expert):
