@@ -1,11 +1,18 @@
 """Calibration: the planner's predicted step time against the measured one on this machine.
 
-The examples' kind of model (an MLP), data-parallel over 2 virtual CPU
-devices, are planned with the measured CPU profile and then timed. The ratio is
-printed for the test log (`pytest -s`); the assertion is only a loose bound,
-since the roofline model does not see TensorFlow's per-op overhead.
+An MLP built here, data-parallel over 2 virtual CPU devices, and each example
+under examples/ (captured as epl-plan --script captures it, then run as a
+subprocess with small settings and timed from its samples/s lines) are planned
+with the measured CPU profile of their virtual devices. The ratio is printed
+for the test log (`pytest -s`); the assertion is only a loose bound, since the
+roofline model does not see TensorFlow's per-op overhead, which dominates the
+examples' small steps.
 """
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -52,3 +59,53 @@ def test_predicted_vs_measured_step_time(epl_env, batch):
     print(f"calibration[mlp batch {batch}]: predicted {predicted * 1e3:.2f} ms, "
           f"measured {measured * 1e3:.2f} ms, predicted/measured = {ratio:.2f}")
     assert 0.02 < ratio < 50
+
+
+EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "examples")
+
+
+def _measured_step_time(path, argv, batch):
+    """Median seconds per step of the example, from its "samples/s" lines
+    (the first interval, with the warm-up, left out)."""
+    result = subprocess.run([sys.executable, path, *argv], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rates = [float(v) for v in re.findall(r"(\d+(?:\.\d+)?) samples/s", result.stdout)]
+    assert len(rates) >= 3, result.stdout
+    return statistics.median(batch / rate for rate in rates[1:])
+
+
+def _predicted_step_time(path, argv, batch, devices):
+    """The planner's step time for the example's strategy on `devices`
+    virtual CPU devices with the measured CPU profile."""
+    from epl.planner.planner import PlanOptions, model_from_graph
+    from tools.epl_plan import capture_script_graph
+    graph, config = capture_script_graph(path, argv)
+    model = model_from_graph(graph, name=os.path.basename(path))
+    micro = config.get("pipeline.num_micro_batch")
+    plan = plan_cluster(model, [HostSpec(virtual_cpu_profiles(devices)[0], devices)],
+                        global_batch=batch, options=PlanOptions(num_micro_batch=micro))
+    # identical devices: the balanced split is the even one; a model with
+    # annotated stages runs as the pipeline the example builds
+    name = f"pipeline, {model.stages} stages" if model.stages > 1 \
+        else "data-parallel, even split"
+    return plan.alternative(name).step_time
+
+
+@pytest.mark.parametrize("script,argv,batch,devices", [
+    ("train_mlp", ["--steps", "60", "--log-every", "10"], 256, 4),
+    ("large_classifier", ["--steps", "24", "--classes", "20000", "--batch", "32",
+                          "--log-every", "4"], 32, 4),
+    ("m6_mini", ["--steps", "24", "--batch", "16", "--log-every", "4"], 16, 4),
+    ("bert_pipeline", ["--steps", "30", "--log-every", "5"], 32, 2),
+])
+def test_examples_predicted_vs_measured_step_time(script, argv, batch, devices):
+    path = os.path.join(EXAMPLES_DIR, f"{script}.py")
+    predicted = _predicted_step_time(path, argv, batch, devices)
+    measured = _measured_step_time(path, argv, batch)
+    ratio = predicted / measured
+    print(f"calibration[{script}, {devices} virtual CPU devices, batch {batch}]: predicted "
+          f"{predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms, "
+          f"predicted/measured = {ratio:.3f}")
+    assert 0.001 < ratio < 50
