@@ -1,5 +1,6 @@
 """Shared fixtures and model builders for the EPL tests.
 
+- `report(line)`: a figure printed at the end of the test log.
 - `epl_env(config_dict)`: resets EPL and initializes it with `config_dict`
   (an autouse fixture resets EPL after every test, so hooks are inert again).
 - `models`: tiny models with numpy-generated initial values, and `train()`,
@@ -31,6 +32,25 @@ SEQ, D_MODEL, HEADS, D_FF = 4, 8, 2, 16
 # --------------------------------------------------------------------------
 # EPL environment
 # --------------------------------------------------------------------------
+
+
+_REPORTED: list[str] = []
+
+
+@pytest.fixture
+def report():
+    """`report(line)`: a figure for the end of the test log (a "reported
+    figures" section, shown for passing tests too), e.g. the planner's
+    calibration ratios."""
+    return _REPORTED.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the lines the tests gave `report`."""
+    if _REPORTED:
+        terminalreporter.section("reported figures")
+        for line in _REPORTED:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

@@ -3,10 +3,11 @@
 An MLP built here, data-parallel over 2 virtual CPU devices, and each example
 under examples/ (captured as epl-plan --script captures it, then run as a
 subprocess with small settings and timed from its samples/s lines) are planned
-with the measured CPU profile of their virtual devices. The ratio is printed
-for the test log (`pytest -s`); the assertion is only a loose bound, since the
-roofline model does not see TensorFlow's per-op overhead, which dominates the
-examples' small steps.
+with the measured CPU profile of their virtual devices. The ratios are printed
+at the end of the test log ("reported figures"); the assertion is only a loose
+bound, since the roofline model does not see TensorFlow's per-op overhead,
+which dominates the examples' small steps, and the CPU profile is measured on
+a shared machine.
 """
 import os
 import re
@@ -33,7 +34,7 @@ def _mlp(x, y):
 
 
 @pytest.mark.parametrize("batch", [256, 1024])
-def test_predicted_vs_measured_step_time(epl_env, batch):
+def test_predicted_vs_measured_step_time(epl_env, report, batch):
     epl_env({"cluster.virtual_devices": 2})
     rng = np.random.RandomState(0)
     with tf.Graph().as_default() as graph:
@@ -56,7 +57,7 @@ def test_predicted_vs_measured_step_time(epl_env, batch):
                 times.append(time.perf_counter() - start)
     measured = statistics.median(times)
     ratio = predicted / measured
-    print(f"calibration[mlp batch {batch}]: predicted {predicted * 1e3:.2f} ms, "
+    report(f"calibration[mlp batch {batch}]: predicted {predicted * 1e3:.2f} ms, "
           f"measured {measured * 1e3:.2f} ms, predicted/measured = {ratio:.2f}")
     assert 0.02 < ratio < 50
 
@@ -100,12 +101,12 @@ def _predicted_step_time(path, argv, batch, devices):
     ("m6_mini", ["--steps", "24", "--batch", "16", "--log-every", "4"], 16, 4),
     ("bert_pipeline", ["--steps", "30", "--log-every", "5"], 32, 2),
 ])
-def test_examples_predicted_vs_measured_step_time(script, argv, batch, devices):
+def test_examples_predicted_vs_measured_step_time(report, script, argv, batch, devices):
     path = os.path.join(EXAMPLES_DIR, f"{script}.py")
     predicted = _predicted_step_time(path, argv, batch, devices)
     measured = _measured_step_time(path, argv, batch)
     ratio = predicted / measured
-    print(f"calibration[{script}, {devices} virtual CPU devices, batch {batch}]: predicted "
+    report(f"calibration[{script}, {devices} virtual CPU devices, batch {batch}]: predicted "
           f"{predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms, "
           f"predicted/measured = {ratio:.3f}")
     assert 0.001 < ratio < 50
