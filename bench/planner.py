@@ -55,6 +55,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from epl.errors import ClusterError  # noqa: E402
+from epl.planner import balance  # noqa: E402
 from epl.planner import planner as planner_lib  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
 from epl.profiles import parse_cluster  # noqa: E402
@@ -102,11 +103,6 @@ def _case(cluster: str, model_name: str, per_device: int) -> dict:
     }
 
 
-def _spread(total: int, n: int) -> list[int]:
-    """`total` over `n` devices as evenly as whole numbers allow."""
-    return [total // n + (1 if i < total % n else 0) for i in range(n)]
-
-
 def exhaustive_best(cluster: str, model_name: str, per_device: int
                     ) -> float | None:
     """The fastest data-parallel plan of a two-kind cluster, by brute force.
@@ -137,7 +133,8 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
     for on_first in range(len(first), units - len(second) + 1):
         placement = [0] * len(ctx.devices)
         for group, total in ((first, on_first), (second, units - on_first)):
-            for i, u in zip(group, _spread(total, len(group))):
+            even = balance.proportional_shares(total, [1.0] * len(group))
+            for i, u in zip(group, even):
                 placement[i] = u
         states = [planner_lib._device_state(ctx, totals, u, len(placement),
                                             False) for u in placement]
@@ -146,7 +143,8 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
             for i in first:
                 sizes[i] = each
             rest = batch - each * len(first)
-            for i, b in zip(second, _spread(rest, len(second))):
+            even = balance.proportional_shares(rest, [1.0] * len(second))
+            for i, b in zip(second, even):
                 sizes[i] = b
             loads = planner_lib._dp_loads(ctx, totals, placement, states,
                                           sizes)

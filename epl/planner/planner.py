@@ -886,7 +886,8 @@ def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
 
     A device's tokens go to device e in proportion to e's experts, u_e / U
     (the MoE layer sends every example's capacity slots for every expert):
-    a host holding many experts keeps more of its own tokens.  Per example, A bytes travel (`alltoall`).
+    a host holding many experts keeps more of its own tokens.  Per
+    example, A bytes travel (`alltoall`).
     - Within host h (U_h experts): device d sends b_d A (U_h - u_d) / U to
       its host's other devices and receives (B_h - b_d) A u_d / U from them,
       both at once, over its intra-node link.
