@@ -465,6 +465,18 @@ def test_balanced_moe_plan_is_faster_than_the_even_split(cluster):
     assert sum(load.shards for load in balanced.loads) == model.split_units
 
 
+def test_experts_without_work_of_their_own_are_placed_by_whole_examples():
+    # split parameters and an all-to-all but no split FLOPs or bytes
+    layer = LayerSpec("moe", flops_per_example=1e9,
+                      split_parameter_bytes=2**20,
+                      alltoall_bytes_per_example=2**20)
+    model = ModelSpec("moe", (layer,) * 2, split_units=8)
+    plan = plan_cluster(model, "1x2xA100-40GB,1x2xT4", "sgd", 64)
+    loads = plan.alternative("data-parallel, balanced by capability").loads
+    assert sum(load.shards for load in loads) == 8
+    assert loads[0].batch > loads[-1].batch
+
+
 def test_expert_placements_run_from_even_to_proportional():
     from epl.planner.planner import _placement_path
     path = _placement_path([2, 2, 2, 2], [3.0, 3.0, 1.0, 1.0])

@@ -1018,7 +1018,7 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
     evenly spaced), and the proportional one rounded within memory
     (`balance.balance_shards`).  The speed is the device's on the experts'
     work when the all-to-all barriers separate it from the replicated work
-    (`_barriers`), else on a whole example.  The caller evaluates each
+    (`_barriers`) and that work takes time, else on a whole example.  The caller evaluates each
     candidate and keeps the fastest.
 
     Why not just the proportional one: the experts a device holds set how
@@ -1041,11 +1041,12 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
     even = balance.proportional_shares(units, [1.0] * n, minimum=1)
     if not balanced:
         return [even]
-    if _barriers(ctx, totals):
-        speed = [1.0 / _split_time(ctx, d, totals) for d in ctx.devices]
-    else:
-        speed = [1.0 / (_per_example_time(ctx, d, totals) +
-                        _split_time(ctx, d, totals)) for d in ctx.devices]
+    split = [_split_time(ctx, d, totals) for d in ctx.devices]
+    if _barriers(ctx, totals) and all(split):
+        speed = [1.0 / seconds for seconds in split]
+    else:  # no barriers, or experts without work of their own
+        speed = [1.0 / (_per_example_time(ctx, d, totals) + seconds)
+                 for d, seconds in zip(ctx.devices, split)]
     path = _placement_path(even, speed)
     if len(path) > MAX_PLACEMENTS:
         last = len(path) - 1
