@@ -14,7 +14,11 @@ disables eager execution for the process.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
+
+# tf.compat.v1.layers (legacy Keras, tf-keras) needs this before TensorFlow is imported.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np
 import pytest
