@@ -65,8 +65,9 @@ def encoder_layer(x: tf.Tensor, index: int, hidden: int, rng: np.random.RandomSt
     return h + tf.einsum("bsf,fd->bsd", tf.nn.relu(tf.einsum("bsd,df->bsf", h, w1)), w2)
 
 
-def build(args, stages: int, batch: int):
-    """The K-stage encoder on a placeholder batch; returns (train_op, feed)."""
+def build(args, stages: int, batch: int, micro: int):
+    """The K-stage encoder on a placeholder of one micro-batch (EPL's batch contract)
+    fed with `micro` of them; returns (train_op, feed)."""
     rng = np.random.RandomState(0)
     features = tf.compat.v1.placeholder(tf.float32, [batch, args.seq, args.hidden])
     labels = tf.compat.v1.placeholder(tf.int32, [batch])
@@ -81,8 +82,8 @@ def build(args, stages: int, batch: int):
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
     train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(loss)
-    feed = {features: rng.randn(batch, args.seq, args.hidden).astype(np.float32),
-            labels: rng.randint(0, 8, batch)}
+    feed = {features: rng.randn(batch * micro, args.seq, args.hidden).astype(np.float32),
+            labels: rng.randint(0, 8, batch * micro)}
     return train_op, feed
 
 
@@ -144,7 +145,7 @@ def measure(args, stages: int, micro: int, strategy: str) -> dict:
                          "pipeline.strategy": strategy}))
     devices = [f"/device:CPU:{s}" for s in range(stages)]
     with tf.Graph().as_default() as graph:
-        train_op, feed = build(args, stages, args.micro_batch_size * micro)
+        train_op, feed = build(args, stages, args.micro_batch_size, micro)
         start = time.perf_counter()
         epl.parallelize(graph)
         rewrite_s = time.perf_counter() - start

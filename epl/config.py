@@ -283,6 +283,11 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "Allow workers to get unequal numbers of input files."),
     KeySpec("io.drop_last_files", "bool", False,
             "Drop the input files left over after an even split among workers."),
+    KeySpec("io.batch_mode", "str", "replica",  # successor
+            "What the script's batch is: 'replica' (EPL's contract: one replica's "
+            "micro-batch; each replica and micro-batch draws its own) or 'global' (the "
+            "worker's whole batch, sliced among its replicas and micro-batches).",
+            allowed=("replica", "global")),
     # auto
     KeySpec("auto.auto_parallel", "bool", False,
             "Let the planner choose the parallel strategy (experimental)."),

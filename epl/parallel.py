@@ -34,6 +34,7 @@ from graph_passes.gradient_comm import GradientCommPass
 from graph_passes.loss_scale import LossScalePass
 from graph_passes.offload import OffloadPass
 from graph_passes.replicate import ReplicatePass
+from graph_passes.replication.inputs import batch_mode, supports_uneven_shares
 from graph_passes.schedule import SchedulePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
 from graph_passes.zero import ZeroPass
@@ -69,6 +70,9 @@ class ParallelGraph:
     # zero.level: original slot variable op -> op gathering its shards into it; the
     # session runs it before a run that reads the original (a Saver's save).
     gather_ops: dict = dataclasses.field(default_factory=dict)
+    # io.batch_mode "replica": user's static-batch placeholder -> FeedRedirect (the
+    # session moves a feed of it onto EPL's placeholder of every unit's rows)
+    feeds: dict = dataclasses.field(default_factory=dict)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -147,8 +151,9 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
     auto_stages(graph, state, config, profiles)  # auto.auto_parallel + pipeline.num_stages
     view = analyze(graph, state)
-    if replica_weights is None:  # the hardware-aware planner: uneven shares for mixed devices
-        replica_weights = local_replica_weights(view, cluster, config)  # None = even split
+    if replica_weights is None and supports_uneven_shares(view, batch_mode(config)):
+        # the hardware-aware planner: uneven shares for mixed devices (None = even split)
+        replica_weights = local_replica_weights(view, cluster, config)
     plan = make_plan(view.taskgraphs + view.split_taskgraphs, cluster, replica_weights,
                      bool(config.get("cluster.colocate_split_and_replicate")),
                      [p.memory_bytes for p in profiles] if profiles else None)
@@ -179,6 +184,7 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     zero = ctx.artifacts.get("zero")
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
+    result.feeds = dict(replication.feeds)
     state.parallelized = True
     state.result = result
     return result

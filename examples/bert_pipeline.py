@@ -7,12 +7,14 @@ MonitoredTrainingSession. The EPL lines are `epl.init` and the two
 `epl.replicate(device_count=1, name="stage_<i>")` scopes: the embeddings and
 the first half of the layers are stage 0, the rest and the head stage 1.
 
-EPL runs each stage on its own device, cuts every global batch into
-`pipeline.num_micro_batch` micro-batches, runs them through the stages in the
-`pipeline.strategy` schedule (1F1B by default), accumulates the gradients over
-the micro-batches and applies them once per step. With more devices than
-stages (`--devices 4`), the pipeline is replicated: 2 pipelines of 2 stages,
-each on its half of the batch, with no change to the script.
+EPL runs each stage on its own device. As in EPL, the script's batch
+(`--batch`) is one micro-batch of one pipeline: every step draws
+`pipeline.num_micro_batch` of them per pipeline from the input pipeline, runs
+them through the stages in the `pipeline.strategy` schedule (1F1B by
+default), accumulates the gradients over the micro-batches and applies them
+once per step. With more devices than stages (`--devices 4`), the pipeline is
+replicated: 2 pipelines of 2 stages, each drawing its own micro-batches, with
+no change to the script.
 
 The data are synthetic with a learnable signal: every sequence draws its
 tokens from one group of 8 consecutive token ids (its "topic"), each token
@@ -27,7 +29,7 @@ computes the same update as the whole batch.
 Embedding gradients are made dense (`communication.sparse_as_dense`), as EPL
 needs for now.
 
-    python examples/bert_pipeline.py [--steps 300] [--batch 32] [--micro-batches 4]
+    python examples/bert_pipeline.py [--steps 300] [--batch 8] [--micro-batches 4]
         [--devices 2] [--strategy PreferBackward|PreferForward] [--layers 4]
 """
 from __future__ import annotations
@@ -129,7 +131,9 @@ def masked_token_head(x: tf.Tensor, positions: tf.Tensor, targets: tf.Tensor, vo
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32, help="global batch size")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="one micro-batch (a step trains on pipelines x micro-batches x batch "
+                             "examples)")
     parser.add_argument("--micro-batches", type=int, default=4, help="pipeline.num_micro_batch")
     parser.add_argument("--strategy", default="PreferBackward",
                         choices=["PreferBackward", "PreferForward"], help="pipeline.strategy")
@@ -144,6 +148,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=25)
     return parser.parse_args(argv)
+
+
+def global_batch(args) -> int:
+    """Examples one step trains on: pipelines (devices / 2 stages) x micro-batches x batch."""
+    return max(1, args.devices // 2) * args.micro_batches * args.batch
 
 
 def main(argv=None) -> dict:
@@ -172,7 +181,8 @@ def main(argv=None) -> dict:
 
         print(f"BERT-style encoder: {args.layers} layers, hidden {args.hidden}, vocab "
               f"{args.vocab}; 2 stages x {args.micro_batches} micro-batches ({args.strategy}) "
-              f"on {args.devices} device(s); global batch {args.batch}", flush=True)
+              f"on {args.devices} device(s); micro-batch {args.batch}, global batch "
+              f"{global_batch(args)}", flush=True)
         hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
         last = {}
         with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
@@ -183,7 +193,7 @@ def main(argv=None) -> dict:
                 last = {"step": step, "loss": float(value), "accuracy": float(acc)}
                 if step % args.log_every == 0 or step == args.steps or step == 1:
                     elapsed = time.perf_counter() - start
-                    rate = (step - logged) * args.batch / max(elapsed, 1e-9)
+                    rate = (step - logged) * global_batch(args) / max(elapsed, 1e-9)
                     print(f"step {step:5d}  loss {value:.4f}  masked-token accuracy {acc:.3f}  "
                           f"{rate:8.0f} samples/s", flush=True)
                     start, logged = time.perf_counter(), step

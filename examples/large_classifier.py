@@ -16,7 +16,7 @@ The data are synthetic with a learnable signal: class c's examples are noisy
 copies of a random prototype, and labels follow a Zipf law (a few classes are
 frequent), so the loss falls well below log(100000) = 11.5.
 
-    python examples/large_classifier.py [--steps 60] [--batch 128] [--classes 100000]
+    python examples/large_classifier.py [--steps 60] [--batch 32] [--classes 100000]
 """
 import argparse
 import time
@@ -62,7 +62,8 @@ def report_memory(graph: tf.Graph, classes: int, budget_mb: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=128, help="global batch size")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="one replica's batch (a step trains on devices x batch examples)")
     parser.add_argument("--classes", type=int, default=100_000)
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--device-memory-mb", type=float, default=48.0)
@@ -91,7 +92,7 @@ def main() -> None:
             _, step, value = sess.run([train_op, global_step, loss])
             if step % args.log_every == 0 and step > last:
                 elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch / elapsed
+                rate = (step - last) * args.batch * args.devices / elapsed
                 print(f"step {step:5d}  loss {value:.4f}  {rate:9.0f} samples/s", flush=True)
                 start, last = time.perf_counter(), step
 

@@ -17,7 +17,7 @@ reads the patches and predicts each caption token from the image and the
 previous tokens (a prefix language model), so the loss falls from log(128)
 = 4.85 only by learning the image-text relation.
 
-    python examples/m6_mini.py [--steps 120] [--batch 32] [--devices 4]
+    python examples/m6_mini.py [--steps 120] [--batch 8] [--devices 4]
 """
 import argparse
 import time
@@ -108,7 +108,8 @@ def m6_mini(patches: tf.Tensor, captions: tf.Tensor, split_devices: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--batch", type=int, default=32, help="global batch size")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="one replica's batch (a step trains on devices x batch examples)")
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--log-every", type=int, default=20)
     args = parser.parse_args()
@@ -132,7 +133,7 @@ def main() -> None:
             _, step, value, balance = sess.run([train_op, global_step, caption_loss, balance_loss])
             if step % args.log_every == 0 and step > last:
                 elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch / elapsed
+                rate = (step - last) * args.batch * args.devices / elapsed
                 print(f"step {step:5d}  caption loss {value:.4f}  balance loss {balance:.3f}  "
                       f"{rate:7.0f} samples/s", flush=True)
                 start, last = time.perf_counter(), step

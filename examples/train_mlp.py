@@ -3,15 +3,17 @@
 An ordinary tf.compat.v1 training script: a tf.data input pipeline, a model,
 an optimizer, MonitoredTrainingSession. The only EPL lines are `epl.init` and
 the `epl.replicate` scope. On a CPU-only machine EPL creates
-`cluster.virtual_devices` virtual CPU devices and runs one replica on each;
-each replica trains on its slice of the global batch, gradients are
-all-reduced, and the printed loss is the mean over the whole global batch.
+`cluster.virtual_devices` virtual CPU devices and runs one replica on each.
+As in EPL, the script's batch (`--batch`) is one replica's batch: every
+replica draws its own batch from the input pipeline, so one step trains on
+devices x batch examples (the global batch); gradients are all-reduced, and
+the printed loss is the mean over the whole global batch.
 
 The data are synthetic with a learnable signal: each class has a random
 prototype in feature space and examples are noisy copies of their class's
 prototype, so the loss falls well below log(num_classes).
 
-    python examples/train_mlp.py [--steps 200] [--batch 256] [--devices 4]
+    python examples/train_mlp.py [--steps 200] [--batch 64] [--devices 4]
 """
 import argparse
 import time
@@ -48,7 +50,8 @@ def dense(inputs: tf.Tensor, units: int, name: str, activation=None) -> tf.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=256, help="global batch size")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="one replica's batch (a step trains on devices x batch examples)")
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--log-every", type=int, default=20)
     args = parser.parse_args()
@@ -74,7 +77,7 @@ def main() -> None:
             _, step, value = sess.run([train_op, global_step, loss])
             if step % args.log_every == 0 and step > last:
                 elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch / elapsed
+                rate = (step - last) * args.batch * args.devices / elapsed
                 print(f"step {step:5d}  loss {value:.4f}  {rate:9.0f} samples/s", flush=True)
                 start, last = time.perf_counter(), step
 

@@ -41,7 +41,7 @@ from tensorflow.core.framework import node_def_pb2
 from tensorflow.python.framework import tensor_util
 
 from epl.ir.annotations import PHASE_ATTR, Phase
-from epl.ir.clone import NodeBatch, replace_input
+from epl.ir.clone import NodeBatch, replace_input, with_dynamic_rows
 from epl.pass_manager import GraphPass, PassContext, PassResult
 
 MB = 1 << 20
@@ -179,6 +179,10 @@ class GradientCommPass(GraphPass):
             if communicator.cross is not None:
                 all_values = communicator.cross.all_gather(all_values)
                 all_indices = communicator.cross.all_gather(all_indices)
+            # every replica's rows: more than the template's when each replica drew a
+            # batch of the script's size (io.batch_mode "replica")
+            all_values = with_dynamic_rows(all_values, original.values)
+            all_indices = with_dynamic_rows(all_indices, original.indices)
         for old, new in ((original.values, all_values), (original.indices, all_indices)):
             for consumer in [c for c in old.consumers() if _is_apply(c)]:
                 replace_input(consumer, old, new)

@@ -158,9 +158,10 @@ def _batch_matmul_v3_loss(features, labels):
 
 def _train_fallback_model(models, epl_config=None):
     features_np, labels_np = models.make_data("mlp")
+    units = 2 if epl_config is not None else 1   # the feed holds both replicas' batches
     with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, features_np.shape)
-        y = tf.compat.v1.placeholder(tf.float32, labels_np.shape)
+        x = tf.compat.v1.placeholder(tf.float32, [len(features_np) // units, 6])
+        y = tf.compat.v1.placeholder(tf.float32, [len(labels_np) // units, 4])
         if epl_config is not None:
             with epl.replicate(device_count=1):
                 loss = _batch_matmul_v3_loss(x, y)

@@ -8,7 +8,9 @@ tile, broadcasting, embedding gather, conv/pool, reshape to a folded
 tf.shape, concat, strided slice, pad, batch matmul) must train exactly like
 single-device training, with even and uneven slices and micro-batches; and
 where a constant cannot be told apart from a batch-derived one, or a slice
-has one row, the pass falls back to autodiff, still exact.
+has one row, the pass falls back to autodiff, still exact. (Slices whose shapes
+differ from the template's exist under io.batch_mode 'global'; under 'replica'
+every copy has the template's shapes and the constants need no rewrite.)
 """
 from __future__ import annotations
 
@@ -75,8 +77,8 @@ def _train(embed, config=None, weights=None, steps=3):
         ids = tf.compat.v1.placeholder(tf.int32, [BATCH, TOKENS])
         images = tf.compat.v1.placeholder(tf.float32, [BATCH, IMAGE, IMAGE, 2])
         labels = tf.compat.v1.placeholder(tf.int32, [BATCH])
-        if config is not None:
-            epl.init(epl.Config(config))
+        if config is not None:   # the slices' shapes differ from the template's: global mode
+            epl.init(epl.Config({"io.batch_mode": "global", **config}))
             with epl.replicate(device_count=1):
                 loss = _zoo_loss(ids, images, labels, embed)
         else:

@@ -73,7 +73,7 @@ def test_device_count_not_dividing_devices():
 
 
 def test_batch_not_divisible_static():
-    epl.init(epl.Config({"cluster.virtual_devices": 4}))
+    epl.init(epl.Config({"cluster.virtual_devices": 4, "io.batch_mode": "global"}))
     with tf.Graph().as_default() as graph:
         _mlp(batch=6)
         ops_before = len(graph.get_operations())
@@ -83,7 +83,8 @@ def test_batch_not_divisible_static():
     message = str(err.value)
     assert "pass 'replicate' rejected the graph before any rewrite" in message
     assert "the global batch of 6 examples cannot be split evenly over 4 replicas" in message
-    assert "Use a global batch size divisible by 4." in message
+    assert ("Use a global batch size divisible by 4, or io.batch_mode 'replica' (the default: "
+            "the script's batch is one replica's micro-batch).") in message
 
 
 def test_batch_not_divisible_at_run_time():
@@ -95,7 +96,7 @@ def test_batch_not_divisible_at_run_time():
             sess.run(train, {x: np.ones([4, 4]), y: np.zeros([4])})  # divisible: fine
             with pytest.raises(tf.errors.InvalidArgumentError) as err:
                 sess.run(train, {x: np.ones([3, 4]), y: np.zeros([3])})
-    assert "EPL: the global batch cannot be split evenly over 2 replicas" in str(err.value)
+    assert "EPL: the batch cannot be split evenly over 2 replicas; rows:] [3]" in str(err.value)
 
 
 def test_unknown_config_key_and_value():

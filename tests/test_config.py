@@ -43,6 +43,7 @@ EXPECTED_DEFAULTS = {
     "io.slicing": False,
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,
+    "io.batch_mode": "replica",
     "auto.auto_parallel": False,
     "debug.dump_dir": "",
     "debug.check_invariants": False,

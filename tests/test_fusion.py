@@ -134,7 +134,7 @@ def _mixed_shapes_train(devices=None, replica_weights=None):
 
 @pytest.mark.parametrize("config,weights", [
     ({}, None),
-    ({}, [0.25, 0.75]),
+    ({"io.batch_mode": "global"}, [0.25, 0.75]),   # uneven shares slice one batch
     ({"communication.fusion_threshold_mb": 0.000001}, None),
 ])
 def test_scalar_vector_and_dynamic_shape_gradients(epl_env, config, weights):

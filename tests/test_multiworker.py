@@ -27,9 +27,13 @@ def _errors(out: str) -> str:
     return "\n".join(line for line in out.splitlines() if "Error" in line or "Mismatch" in line)[-3000:]
 
 
-@pytest.mark.parametrize("optimizer,sizes", [("sgd", "8,8"), ("adam", "8,8"), ("adam", "12,4")])
-def test_two_workers_match_single_device(tmp_path, optimizer, sizes):
-    result = _horovodrun("oracle_worker.py", optimizer, sizes, str(tmp_path))
+@pytest.mark.parametrize("optimizer,sizes,mode", [
+    ("sgd", "8,8", "replica"), ("adam", "8,8", "replica"), ("adam", "12,4", "replica"),
+    ("adam", "8,8", "global"), ("adam", "12,4", "global")])
+def test_two_workers_match_single_device(tmp_path, optimizer, sizes, mode):
+    """io.batch_mode "replica": each worker's script batch is one replica's (half of its
+    rows; "12,4": workers with different batch sizes); "global": the worker's rows, sliced."""
+    result = _horovodrun("oracle_worker.py", optimizer, sizes, str(tmp_path), mode)
     assert result.returncode == 0, _errors(result.stdout + result.stderr)
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -82,10 +82,26 @@ class Encoder:
     summary: tf.Tensor
 
 
+def units_per_step(stages: int) -> int:
+    """(replica, micro-batch) units per step of an EPL run of `stages` one-device stages
+    with the current config under io.batch_mode 'replica' (1 without EPL or in
+    'global' mode): the script's batch is then BATCH // units, and the feed holds
+    all BATCH rows, so every run consumes the reference's batch."""
+    if not env.is_initialized() or env.get_config().get("io.batch_mode") != "replica":
+        return 1
+    config = env.get_config()
+    if not stages and config.get("auto.auto_parallel"):
+        stages = int(config.get("pipeline.num_stages"))
+    replicas = max(1, int(config.get("cluster.virtual_devices")) // max(stages, 1))
+    return replicas * int(config.get("pipeline.num_micro_batch"))
+
+
 def build_encoder(layers: int = 4, stages: int = 0, optimizer: str = "sgd",
-                  annotate: str = "scope", batch: int = BATCH, stage_of_layer=None) -> Encoder:
+                  annotate: str = "scope", batch: int = BATCH, stage_of_layer=None,
+                  units: int | None = None) -> Encoder:
     """Build the encoder in the default graph.
 
+    batch: the rows a step consumes; units: see `units_per_step` (its default).
     stages: 0 for no annotation; otherwise S stage scopes (layer i in stage
     stage_of_layer(i), default i * S // layers; the head in the last stage).
     annotate: "scope" (`with epl.replicate(...)`) or "default"
@@ -94,8 +110,9 @@ def build_encoder(layers: int = 4, stages: int = 0, optimizer: str = "sgd",
     """
     rng = np.random.RandomState(0)
     features_np, labels_np = make_batch(batch)
-    features = tf.compat.v1.placeholder(tf.float32, [batch, SEQ, D_MODEL], name="features")
-    labels = tf.compat.v1.placeholder(tf.float32, [batch, NUM_CLASSES], name="labels")
+    rows = batch // (units_per_step(stages) if units is None else units)
+    features = tf.compat.v1.placeholder(tf.float32, [rows, SEQ, D_MODEL], name="features")
+    labels = tf.compat.v1.placeholder(tf.float32, [rows, NUM_CLASSES], name="labels")
     global_step = tf.compat.v1.train.get_or_create_global_step()
     stage_of_layer = stage_of_layer or (lambda i: i * stages // layers)
 
@@ -275,9 +292,12 @@ def test_stages_micro_batches_and_one_apply_per_step():
         assert len(add.inputs) == 2 and {t.op.device for t in add.inputs} == {add.device}
         assert {_attr(t.op, MICRO_BATCH_ATTR) for t in add.inputs} == {0, 1}
     assert set(adds) <= needed
-    # Micro-batch copies read their own quarter of the global batch.
-    slices = [op for op in graph.get_operations() if op.type == "SplitV"
-              and op.inputs[0] is built.features]
+    # Micro-batch copies read their own quarter of the feed (every unit's batch),
+    # at the script's own shape.
+    widened = result.feeds[built.features].widened
+    assert widened.shape[0] == BATCH and built.features.shape[0] == BATCH // 4
+    slices = [op for op in graph.get_operations() if op.type in ("Split", "SplitV")
+              and widened in op.inputs]
     assert len(slices) == 1 and slices[0].outputs[0].shape[0] == BATCH // 4
 
 
@@ -331,7 +351,8 @@ def test_gradient_accumulation_matches_whole_batch(models, epl_env, model, micro
 def test_gradient_accumulation_with_uneven_replicas(models, epl_env):
     """Replica shares 3:1 (6 and 2 examples), 2 micro-batches each (3+3, 1+1)."""
     expected = models.single_device(steps=3, model="mlp", optimizer="sgd")
-    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2})
+    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2,
+             "io.batch_mode": "global"})   # uneven shares slice one batch
     result = models.train(3, replica_weights=[3, 1], model="mlp", optimizer="sgd")
     models.assert_same_training(result, expected)
 
@@ -353,7 +374,8 @@ def test_dynamic_batch_not_divisible_fails_at_run_time(models, epl_env):
 
 
 def test_micro_batches_that_do_not_divide_the_batch():
-    epl.init(epl.Config({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 3}))
+    epl.init(epl.Config({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 3,
+                         "io.batch_mode": "global"}))
     with tf.Graph().as_default() as graph:
         build_encoder(layers=2, stages=2)
         ops_before = len(graph.get_operations())
@@ -369,7 +391,8 @@ def test_micro_batches_that_do_not_divide_the_batch():
 
 
 def test_micro_batches_times_replicas_must_divide_the_batch():
-    epl.init(epl.Config({"cluster.virtual_devices": 4, "pipeline.num_micro_batch": 8}))
+    epl.init(epl.Config({"cluster.virtual_devices": 4, "pipeline.num_micro_batch": 8,
+                         "io.batch_mode": "global"}))
     with tf.Graph().as_default() as graph:
         build_encoder(layers=2, stages=2)
         with pytest.raises(PassError, match=r"per-replica batch sizes \[4, 4\] .* cannot each "
@@ -428,8 +451,9 @@ def test_stage_without_trainable_variables_is_allowed(epl_env):
     def build(scoped):
         rng = np.random.RandomState(0)
         features_np, labels_np = make_batch()
-        features = tf.compat.v1.placeholder(tf.float32, [BATCH, SEQ, D_MODEL])
-        labels = tf.compat.v1.placeholder(tf.float32, [BATCH, NUM_CLASSES])
+        rows = BATCH // units_per_step(2)
+        features = tf.compat.v1.placeholder(tf.float32, [rows, SEQ, D_MODEL])
+        labels = tf.compat.v1.placeholder(tf.float32, [rows, NUM_CLASSES])
         scope = (lambda s: epl.replicate(device_count=1, name=f"stage_{s}")) if scoped \
             else (lambda s: contextlib.nullcontext())
         with scope(0):
@@ -468,8 +492,9 @@ def test_variable_shared_by_two_stages(epl_env):
         scope = (lambda s: epl.replicate(device_count=1, name=f"stage_{s}")) if scoped \
             else (lambda s: contextlib.nullcontext())
         with tf.Graph().as_default() as graph:
-            features = tf.compat.v1.placeholder(tf.float32, [BATCH, SEQ, D_MODEL])
-            labels = tf.compat.v1.placeholder(tf.float32, [BATCH, NUM_CLASSES])
+            rows = BATCH // units_per_step(2)
+            features = tf.compat.v1.placeholder(tf.float32, [rows, SEQ, D_MODEL])
+            labels = tf.compat.v1.placeholder(tf.float32, [rows, NUM_CLASSES])
             with scope(0):
                 value = (rng.randn(D_MODEL, D_MODEL) * 0.3).astype(np.float32)
                 proj = tf.compat.v1.get_variable("proj", initializer=value)

@@ -2,7 +2,10 @@
 
 k training steps of the EPL graph (R replicas) from the same initial values on
 the same global batch give the same variables and per-step losses as
-single-device training, to float tolerance (rtol 1e-5, atol 1e-6).
+single-device training, to float tolerance (tests/conftest.py: rtol 1e-5, atol
+from the measured noise floor). Under the default io.batch_mode 'replica' the
+script's batch is one replica's (conftest's `units`) and the feed holds every
+replica's; uneven shares slice one batch ('global').
 """
 from __future__ import annotations
 
@@ -51,12 +54,16 @@ def test_input_kinds_match_single_device(models, epl_env, model, inputs, replica
     models.assert_same_training(result, reference)
 
 
-@pytest.mark.parametrize("replicas,weights", [(2, None), (4, None), (2, [3, 1])])
-def test_folded_batch_shapes_match_single_device(models, epl_env, replicas, weights):
+@pytest.mark.parametrize("replicas,weights,mode", [
+    (2, None, "replica"), (4, None, "replica"), (2, None, "global"), (4, None, "global"),
+    (2, [3, 1], "global")])
+def test_folded_batch_shapes_match_single_device(models, epl_env, replicas, weights, mode):
     """tf.shape of a static-shaped batch tensor is folded into a constant holding the
-    global batch size; each replica must compute with its own slice's shape."""
+    batch size: in global mode each replica must compute with its own slice's shape
+    (replica mode keeps the script's shapes; uneven weights need global mode)."""
     reference = models.single_device(model="mlp_folded", optimizer="sgd")
-    epl_env({"cluster.virtual_devices": replicas, "debug.check_invariants": True})
+    epl_env({"cluster.virtual_devices": replicas, "debug.check_invariants": True,
+             "io.batch_mode": mode})
     result = models.train(STEPS, replica_weights=weights, model="mlp_folded", optimizer="sgd")
     models.assert_same_training(result, reference)
 
@@ -90,9 +97,11 @@ def test_implicit_replicate_without_scope(models, epl_env):
 ])
 def test_uneven_replica_weights_match_single_device(models, epl_env, model, weights, sizes,
                                                     inputs, optimizer):
-    """Uneven per-replica batches: gradients weighted by share give the even-split update."""
+    """Uneven per-replica batches: gradients weighted by share give the even-split update
+    (io.batch_mode 'global': the script's batch is sliced by share)."""
     reference = models.single_device(model=model, optimizer=optimizer, inputs=inputs)
-    epl_env({"cluster.virtual_devices": len(weights), "debug.check_invariants": True})
+    epl_env({"cluster.virtual_devices": len(weights), "debug.check_invariants": True,
+             "io.batch_mode": "global"})
     result = models.train(STEPS, replica_weights=weights, model=model, optimizer=optimizer,
                           inputs=inputs)
     plan = _plan(result)

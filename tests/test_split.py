@@ -31,10 +31,14 @@ def scope(strategy):
 
 
 def train(build, config=None, use_epl=True, steps=3, optimizer="adam"):
-    """Build with `build(feeds) -> loss`, train `steps` steps; (losses, variables, graph)."""
+    """Build with `build(feeds) -> loss`, train `steps` steps; (losses, variables, graph).
+
+    These builders feed one batch of B rows that EPL slices among the replicas:
+    io.batch_mode "global" (tests/test_batch_semantics.py covers split models
+    under the default "replica" contract)."""
     env.reset()
     if use_epl:
-        epl.init(epl.Config(dict(config or {})))
+        epl.init(epl.Config({"io.batch_mode": "global", **dict(config or {})}))
     with tf.Graph().as_default() as graph:
         tf.compat.v1.set_random_seed(7)
         loss, feed = build()
@@ -227,7 +231,7 @@ def test_per_device_parameter_bytes_are_one_kth():
 
 def test_checkpoint_uses_full_name_and_shape_and_restores_unsplit(tmp_path):
     env.reset()
-    epl.init(epl.Config({}))
+    epl.init(epl.Config({"io.batch_mode": "global"}))
     path = os.path.join(str(tmp_path), "model.ckpt")
     with tf.Graph().as_default():
         loss, feed = classifier(40)()
@@ -342,8 +346,8 @@ def test_oracle_m6_mini_over_4_devices():
 
 
 @pytest.mark.parametrize("script,args", [
-    ("large_classifier", ["--steps", "20", "--classes", "20000", "--batch", "32", "--log-every", "5"]),
-    ("m6_mini", ["--steps", "20", "--batch", "16", "--log-every", "5"]),
+    ("large_classifier", ["--steps", "20", "--classes", "20000", "--batch", "8", "--log-every", "5"]),
+    ("m6_mini", ["--steps", "20", "--batch", "4", "--log-every", "5"]),
 ])
 def test_examples_train(script, args):
     import re
@@ -421,7 +425,7 @@ def test_planner_sees_the_split_part():
     """epl-plan's model of a split graph: the classifier is the split part, sharded by class."""
     from epl.planner.planner import model_from_graph
     env.reset()
-    epl.init(epl.Config({}))
+    epl.init(epl.Config({"io.batch_mode": "global"}))
     with tf.Graph().as_default() as graph:
         loss, _ = classifier(4000)()
         tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss)

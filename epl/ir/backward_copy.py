@@ -92,11 +92,12 @@ class TemplateBackward:
         return values, None
 
     def write(self, batch, prefix: str, device_fn, input_map: dict, attrs: dict,
-              forward_map: dict, constants: dict) -> OpCopier:
+              forward_map: dict, constants: dict, stream: int = 0) -> OpCopier:
         """Write the template's copy under `prefix` into `batch` (a NodeBatch several
-        copies may share); after the batch's commit, `gradients` reads it."""
+        copies may share); after the batch's commit, `gradients` reads it.
+        stream: the copy's random stream (epl.ir.clone.reseed)."""
         copier = OpCopier(batch.graph, prefix, device_fn, input_map, attrs, known=forward_map,
-                          cache=self._sources, batch=batch)
+                          cache=self._sources, batch=batch, stream=stream)
         for op in self.ops:
             value = constants.get(op)
             if value is None:

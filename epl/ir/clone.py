@@ -36,6 +36,7 @@ graph as op-by-op creation:
 """
 from __future__ import annotations
 
+import zlib
 from typing import Callable
 
 import tensorflow as tf
@@ -186,7 +187,7 @@ class OpCopier:
     def __init__(self, graph: tf.Graph, prefix: str, device_fn: Callable[[tf.Operation], str],
                  input_map: dict | None = None, extra_attrs: dict | None = None,
                  known: dict | None = None, cache: dict | None = None,
-                 batch: NodeBatch | None = None):
+                 batch: NodeBatch | None = None, stream: int = 0):
         # several copiers may write into one NodeBatch (one import for all of them,
         # which saves the importer's fixed cost per call): then call close() on
         # each, commit the batch once, and read each copier's ops with result()
@@ -196,6 +197,7 @@ class OpCopier:
         self.input_map = input_map or {}
         self.extra_attrs = extra_attrs
         self.known = known or {}
+        self.stream = stream  # random-number stream of the copies (`reseed`)
         # op -> (its NodeDef without name, device and inputs; its inputs; its control
         # inputs): what copying reads from an op, read once when the same ops are
         # copied for several replicas (pass the same dict to each copier)
@@ -235,6 +237,8 @@ class OpCopier:
         node.device = self.device_fn(op)
         for key, value in (self.extra_attrs or {}).items():
             node.attr[key].CopyFrom(value)
+        if self.stream:
+            reseed(node, self.stream)
         node.input.extend(self.input(t) for t in inputs)
         self._add(op, node)
 
@@ -265,19 +269,50 @@ class OpCopier:
         return self.result(self.batch.commit())
 
 
+def reseed(node: node_def_pb2.NodeDef, stream: int) -> None:
+    """Give the copy of a seeded stateful random op its own random stream.
+
+    A random op (attrs `seed`, `seed2`) with a seed set (a graph seed from
+    tf.compat.v1.set_random_seed, or an op seed) draws the same numbers in
+    every copy. For stream > 0 its seed2 becomes a hash of (seed, seed2,
+    stream): different per stream, the same in every run. Stream 0 and ops
+    with no seed at all (every kernel then seeds itself) are left alone.
+    """
+    if stream <= 0 or "seed2" not in node.attr or "seed" not in node.attr:
+        return
+    seed, seed2 = node.attr["seed"].i, node.attr["seed2"].i
+    if seed == 0 and seed2 == 0:
+        return
+    node.attr["seed2"].i = (zlib.crc32(f"{seed}:{seed2}:{stream}".encode()) & 0x7FFFFFFF) or 1
+
+
 def clone_ops(ops: list[tf.Operation], prefix: str, device_fn: Callable[[tf.Operation], str],
               input_map: dict | None = None, extra_attrs: dict | None = None,
-              known: dict | None = None) -> dict:
+              known: dict | None = None, stream: int = 0) -> dict:
     """Copy `ops` (creation order) under `prefix`; return {old op: new op}.
 
     known: copies made earlier (old op -> new op) that inputs should resolve to.
+    stream: the copies' random stream (`reseed`).
     """
     if not ops:
         return {}
-    copier = OpCopier(ops[0].graph, prefix, device_fn, input_map, extra_attrs, known)
+    copier = OpCopier(ops[0].graph, prefix, device_fn, input_map, extra_attrs, known,
+                      stream=stream)
     for op in ops:
         copier.copy(op)
     return copier.commit()
+
+
+def with_dynamic_rows(tensor: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """`tensor`, or when its static first dimension differs from `like`'s, the same
+    value with that dimension unknown (TensorFlow's edge update merges the static
+    shapes of the old and the new input, so a reader inferred for `like`'s rows
+    cannot read more rows otherwise). A PlaceholderWithDefault that is never fed
+    is an identity with the shape it declares."""
+    if tensor.shape.is_compatible_with(like.shape) or tensor.shape.rank is None:
+        return tensor
+    shape = [None] + tensor.shape.as_list()[1:]
+    return tf.compat.v1.placeholder_with_default(tensor, shape, name="EPL_ROWS")
 
 
 def replace_input(op: tf.Operation, old: tf.Tensor, new: tf.Tensor) -> None:

@@ -145,6 +145,33 @@ def descendants(tensors, within: set | None = None) -> set[tf.Operation]:
     return seen
 
 
+def topological_order(ops) -> list[tf.Operation]:
+    """`ops` ordered so that every op comes after the ops of the set it reads (data and
+    control inputs); creation order where that allows. Creation order alone is not
+    enough once a rewrite made an op read a newer one (the split pass rewires a
+    user's op to the per-device ops it built)."""
+    members = set(ops)
+    order, done = [], set()
+    for root in sorted(members, key=lambda op: op._id):
+        if root in done:
+            continue
+        stack = [(root, False)]
+        while stack:
+            op, expanded = stack.pop()
+            if op in done:
+                continue
+            if expanded:
+                done.add(op)
+                order.append(op)
+                continue
+            stack.append((op, True))
+            preds = [t.op for t in op.inputs] + list(op.control_inputs)
+            for pred in sorted((p for p in preds if p in members and p not in done),
+                               key=lambda p: -p._id):
+                stack.append((pred, False))
+    return order
+
+
 class OpTags(NamedTuple):
     """The attributes analysis reads from one op's NodeDef.
 

@@ -157,6 +157,8 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         plan = _RunPlan(result, fetches)
         if key[0] is not None:
             cache[key] = plan
+    if result.feeds and feed_dict:
+        feed_dict = _redirect_feeds(result, feed_dict)
     if result.gradient_check is not None and result.gradient_check_max_diff is None \
             and plan.trains:
         _check_gradients(self, result, feed_dict)
@@ -167,6 +169,26 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if plan.sync:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
     return values
+
+
+def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
+    """The feed with every fed static-batch placeholder moved onto EPL's placeholder
+    of every unit's rows (io.batch_mode "replica"; inputs.FeedRedirect)."""
+    redirected = {}
+    fed = set(feed_dict)
+    for key, value in feed_dict.items():
+        tensor = key
+        if isinstance(key, str):
+            try:
+                tensor = result.graph.as_graph_element(key)
+            except (TypeError, ValueError, KeyError):
+                tensor = None
+        redirect = result.feeds.get(tensor) if isinstance(tensor, tf.Tensor) else None
+        if redirect is None or redirect.widened in fed:   # already redirected
+            redirected[key] = value
+        else:
+            redirected.update(redirect.feeds(value))
+    return redirected
 
 
 def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:

@@ -32,7 +32,8 @@ def main():
     if rank == 1:
         bad[-1] = 1e6  # worker 1's last replica only: inf in float16
     with tf.Graph().as_default():
-        x, y, _, train_op, variables = build(8, True, "adam")
+        # each worker's 8 rows are its 2 replicas' batches of 4 (io.batch_mode "replica")
+        x, y, _, train_op, variables = build(4, True, "adam")
         with tf.compat.v1.Session() as sess:  # parallelizes: creates the loss-scale variable
             scale = [v for v in tf.compat.v1.global_variables()
                      if v.op.name == "EPL_AMP/loss_scale"]

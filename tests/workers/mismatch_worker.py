@@ -28,7 +28,7 @@ def main():
     try:
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            sess.run(train, {x: np.ones([4, 3])})
+            sess.run(train, {x: np.ones([8, 3])})   # both replicas' batches of 4
     except epl.ClusterError as err:
         print(f"EPL-ERROR rank {rank}: {err}", flush=True)
         sys.exit(3)

@@ -5,8 +5,11 @@ Every worker trains the same MLP on its own part of one global batch with EPL
 compares the variables after the steps with single-device training on the
 whole global batch, computed in this same process with EPL not initialized.
 
-usage: oracle_worker.py OPTIMIZER BATCH_SIZES OUT_DIR
+usage: oracle_worker.py OPTIMIZER BATCH_SIZES OUT_DIR [MODE]
   BATCH_SIZES: comma-separated rows per worker, e.g. "8,8" or "12,4"
+  MODE: io.batch_mode, "replica" (default: the worker's script batch is one of
+  its 2 replicas' batches, rows / 2, and the feed holds both) or "global" (the
+  script's batch is the worker's rows, sliced among its replicas)
 """
 import sys
 
@@ -51,16 +54,19 @@ def train(graph_items, features, labels):
 
 def main():
     optimizer_name, sizes, out_dir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
+    mode = sys.argv[4] if len(sys.argv) > 4 else "replica"
     tf.compat.v1.disable_eager_execution()
     total = sum(sizes)
     features, labels = global_batch(sizes, 3)
     with tf.Graph().as_default():
         ref_losses, ref_vars = train(build(total, False, optimizer_name), features, labels)
 
-    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    epl.init(epl.Config({"cluster.virtual_devices": 2, "io.batch_mode": mode}))
     rank, part = my_rows(sizes)
+    script_batch = sizes[rank] // 2 if mode == "replica" else sizes[rank]
     with tf.Graph().as_default():
-        losses, variables = train(build(sizes[rank], True, optimizer_name), features[part], labels[part])
+        losses, variables = train(build(script_batch, True, optimizer_name), features[part],
+                                  labels[part])
     # Random initial values differ per worker unless broadcast: perturb worker 1's start
     errors = [float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) for a, b in zip(variables, ref_vars)]
     result = {"rank": rank, "losses": losses, "ref_losses": ref_losses, "errors": errors}

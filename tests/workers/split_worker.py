@@ -78,12 +78,18 @@ def main():
         ref_losses, ref_vars = train(build(total, False, optimizer_name, loss_outside=loss_outside),
                                      features, labels)
 
-    epl.init(epl.Config({"cluster.virtual_devices": 2,
+    # a group over every worker computes over every worker's whole batch at once, which
+    # EPL supports under io.batch_mode "global"; a group within a worker runs under the
+    # default contract (the worker's rows are its 2 replicas' batches)
+    mode = "global" if group > 2 else "replica"
+    epl.init(epl.Config({"cluster.virtual_devices": 2, "io.batch_mode": mode,
                          "cluster.colocate_split_and_replicate": True}))
     rank, part = my_rows(sizes)
+    script_batch = sizes[rank] if mode == "global" else sizes[rank] // 2
     with tf.Graph().as_default():
         try:
-            losses, variables = train(build(sizes[rank], True, optimizer_name, group, loss_outside),
+            losses, variables = train(build(script_batch, True, optimizer_name, group,
+                                            loss_outside),
                                       features[part], labels[part])
         except epl.EPLError as err:
             print(f"EPL-ERROR rank {rank}: {err}", flush=True)

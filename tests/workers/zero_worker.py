@@ -42,7 +42,8 @@ def main():
                          "communication.collective_timeout_s": 60}))
     rank, part = my_rows(sizes)
     with tf.Graph().as_default() as graph:
-        items = build(sizes[rank], True, optimizer_name)
+        # the worker's rows are its 2 replicas' batches (io.batch_mode "replica")
+        items = build(sizes[rank] // 2, True, optimizer_name)
         epl.parallelize(graph)
         state_bytes = optimizer_state_bytes(graph, [items[3]])
         losses, variables = train(items, features[part], labels[part])

@@ -1,0 +1,72 @@
+"""What a fetch of a replicated tensor returns: the loss over the global batch, merged.
+
+The user's loss (and every tensor of an EPL merge collection,
+`epl.add_to_collection`) exists once per unit (replica, micro-batch); a fetch
+of the original returns their merge: the mean over the global batch (each
+unit's value weighted by its share), or their sum or concatenation as the
+collection asks, over every worker when there are several.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from epl.graph_keys import merge_requests
+from epl.ir.clone import replace_input
+
+# Summary ops that read a merged tensor (the loss) read the merged value instead.
+SUMMARY_TYPES = frozenset({"ScalarSummary", "HistogramSummary", "WriteScalarSummary",
+                           "WriteHistogramSummary", "TensorSummary", "TensorSummaryV2",
+                           "WriteSummary"})
+
+
+def merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dict:
+    """Merged value of each loss and each tensor in an EPL merge collection.
+
+    unit_maps: per (replica, micro-batch) copy, in global batch order, its
+    forward op map; weights: each copy's share of the global batch. Ops
+    outside the replicated model and summary ops (tf.compat.v1.summary of
+    the loss) that read an original tensor read the merged one instead.
+    """
+    requests = {loss: "mean" for loss in view.losses}
+    requests.update({t: kind for t, kind in merge_requests(graph).items() if t not in requests})
+    merged = {}
+    for tensor, kind in requests.items():
+        if tensor.op not in unit_maps[0]:
+            continue
+        parts = [m[tensor.op].outputs[tensor.value_index] for m in unit_maps]
+        with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
+            merged[tensor] = _merge(parts, weights, kind, communicator)
+        for consumer in list(tensor.consumers()):
+            if (consumer not in devices or consumer.type in SUMMARY_TYPES) \
+                    and tensor.shape == merged[tensor].shape:
+                replace_input(consumer, tensor, merged[tensor])
+    return merged
+
+
+def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf.Tensor:
+    """Merge per-replica values; across workers too (every worker must fetch it)."""
+    cross = communicator.cross
+    if kind == "concat":
+        local = tf.concat(parts, axis=0)
+        return cross.all_gather(local) if cross is not None else local
+    if kind == "sum":
+        local = tf.add_n(parts)
+    else:  # weights are shares of the global batch, so the sum over workers is the mean
+        local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
+    return cross.all_reduce(local, "sum") if cross is not None else local
+
+
+def merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
+    """A loss computed by a split group within a worker covers this worker's
+    batch: the fetched value is the mean over every worker's batch (each
+    weighted by its share). A group over every worker computed the global
+    mean already."""
+    merged = {}
+    with tf.name_scope("EPL_MERGED"):
+        for loss in view.losses:
+            if loss.op in units[0] or view.taskgraph_of[loss.op].name in spanning:
+                continue
+            with tf.device(loss.device):
+                share = tf.add_n([tf.cast(w, loss.dtype) for w in weights])
+                merged[loss] = cross.all_reduce(share * loss, "sum")
+    return merged
