@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
+import time
 
 import tensorflow as tf
 
@@ -142,6 +144,7 @@ def _cyclic_gc_paused():
 
 def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
     """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
+    start = time.perf_counter()
     config = get_config()
     cluster = local_cluster(config)
     profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
@@ -181,4 +184,16 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
         result.gather_ops = dict(zero.gather_ops)
     state.parallelized = True
     state.result = result
+    _log_summary(result, ctx, config, time.perf_counter() - start)
     return result
+
+
+def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: float) -> None:
+    """Log what parallelize built (epl.summary) at INFO through the "epl" logger."""
+    logger = logging.getLogger(__name__)
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    from epl.summary import format_summary, summarize
+    summary = summarize(result.graph, result.plan, result.cluster, result.view, config,
+                        ctx.timings, rewrite_s, list(result.fetch_map.values()))
+    logger.info("%s", "\n".join(format_summary(summary)))

@@ -54,6 +54,9 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 
 from epl.dump_format import (DumpError, PassDump, load_graph_def, read_dump,
                              select_pass)
+from epl.ir.collectives import (COLLECTIVE_OPS, HOROVOD_COLLECTIVES, MULTI_PAYLOAD_OPS,
+                                NCCL_COLLECTIVES, NO_PAYLOAD_OPS, V1_COLLECTIVES,
+                                V2_COLLECTIVE_INPUTS, V3_COLLECTIVES)
 
 NONE_LABEL = "(none)"
 UNPLACED_LABEL = "(unplaced)"
@@ -61,29 +64,6 @@ PHASE_ORDER = ("forward", "backward", "apply", "other")
 DEFAULT_LIMIT = 20
 DEFAULT_MAX_DOT_OPS = 1000
 COMMANDS = ("show", "diff", "dot", "tensorboard")
-
-V1_COLLECTIVES = frozenset({"CollectiveReduce", "CollectiveGather",
-                            "CollectiveBcastSend", "CollectiveBcastRecv"})
-# Op type -> input positions of (group_size, group_key, instance_key).
-V2_COLLECTIVE_INPUTS = {
-    "CollectiveReduceV2": (1, 2, 3), "CollectiveGatherV2": (1, 2, 3),
-    "CollectiveBcastSendV2": (1, 2, 3), "CollectiveBcastRecvV2": (0, 1, 2),
-    "CollectiveAllToAllV2": (1, 2, 3), "CollectiveReduceScatterV2": (1, 2, 3),
-}
-V3_COLLECTIVES = frozenset({"CollectiveReduceV3", "CollectiveAllToAllV3"})
-NCCL_COLLECTIVES = frozenset({"NcclAllReduce", "NcclReduce", "NcclBroadcast",
-                              "_NcclReduceSend", "_NcclReduceRecv",
-                              "_NcclBroadcastSend", "_NcclBroadcastRecv"})
-HOROVOD_COLLECTIVES = frozenset({
-    "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather",
-    "HorovodBroadcast", "HorovodAlltoall", "HorovodReducescatter",
-    "HorovodGroupedReducescatter"})
-MULTI_PAYLOAD_OPS = frozenset({"HorovodGroupedAllreduce",
-                               "HorovodGroupedReducescatter", "NcclReduce"})
-NO_PAYLOAD_OPS = frozenset({"CollectiveBcastRecv", "CollectiveBcastRecvV2",
-                            "_NcclBroadcastRecv", "_NcclReduceRecv"})
-COLLECTIVE_OPS = (V1_COLLECTIVES | frozenset(V2_COLLECTIVE_INPUTS) | V3_COLLECTIVES
-                  | NCCL_COLLECTIVES | HOROVOD_COLLECTIVES)
 
 Shape = list  # list of dims, None for an unknown dim
 

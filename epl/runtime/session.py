@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
@@ -174,8 +175,8 @@ def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:
     from epl.ir.recompute import compare_gradients
     reference, checkpointed = result.gradient_check
     result.gradient_check_max_diff = compare_gradients(session, reference, checkpointed, feed_dict)
-    tf.compat.v1.logging.warning(
-        "EPL gradient_checkpoint.check_gradients: largest absolute difference between the "
+    logging.getLogger(__name__).warning(
+        "gradient_checkpoint.check_gradients: largest absolute difference between the "
         "gradients with and without checkpointing on the first step: %.3g",
         result.gradient_check_max_diff)
 
