@@ -71,6 +71,8 @@ class ParallelGraph:
     # zero.level: original slot variable op -> op gathering its shards into it; the
     # session runs it before a run that reads the original (a Saver's save).
     gather_ops: dict = dataclasses.field(default_factory=dict)
+    # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
+    tracer: object = None
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -182,6 +184,8 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     zero = ctx.artifacts.get("zero")
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
+    from epl.runtime.trace import make_tracer
+    result.tracer = make_tracer(config, cluster, graph)
     state.parallelized = True
     state.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)

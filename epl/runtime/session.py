@@ -163,8 +163,12 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         _check_gradients(self, result, feed_dict)
     if plan.gather:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather))
+    if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
+        options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
     values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
                                                       run_metadata))
+    if result.tracer is not None:
+        result.tracer.after_run(run_metadata)
     if plan.sync:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
     return values
