@@ -20,12 +20,12 @@ previous tokens (a prefix language model), so the loss falls from log(128)
     python examples/m6_mini.py [--steps 120] [--batch 32] [--devices 4]
 """
 import argparse
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from epl.progress import ProgressHook
 import epl.layers as layers
 
 PATCHES, PATCH_DIM = 16, 48
@@ -111,11 +111,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch size")
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, losses)")
     args = parser.parse_args()
 
+    print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts split over {args.devices} virtual "
+          f"devices, {args.steps} steps, global batch {args.batch}; building the graph",
+          flush=True)
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
-                         "cluster.colocate_split_and_replicate": True}))
+                         "cluster.colocate_split_and_replicate": True,
+                         "debug.log_level": "INFO"}))
     epl.set_default_strategy(epl.replicate(device_count=1))
 
     patches, captions = tf.compat.v1.data.make_one_shot_iterator(
@@ -125,17 +130,14 @@ def main() -> None:
     global_step = tf.compat.v1.train.get_or_create_global_step()
     train_op = tf.compat.v1.train.AdamOptimizer(2e-3).minimize(loss, global_step=global_step)
 
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
-    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
-        start, last = time.perf_counter(), 0
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
+             ProgressHook(args.batch, {"caption loss": caption_loss, "balance loss": balance_loss},
+                          every_n_steps=args.log_every, last_step=args.steps,
+                          output_dir=args.logdir)]
+    with tf.compat.v1.train.MonitoredTrainingSession(
+            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
         while not sess.should_stop():
-            _, step, value, balance = sess.run([train_op, global_step, caption_loss, balance_loss])
-            if step % args.log_every == 0 and step > last:
-                elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch / elapsed
-                print(f"step {step:5d}  caption loss {value:.4f}  balance loss {balance:.3f}  "
-                      f"{rate:7.0f} samples/s", flush=True)
-                start, last = time.perf_counter(), step
+            sess.run(train_op)
 
 
 if __name__ == "__main__":
