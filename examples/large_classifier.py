@@ -70,8 +70,8 @@ def main() -> None:
     parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
     args = parser.parse_args()
 
-    print(f"large_classifier: {args.classes} classes split over {args.devices} virtual devices, "
-          f"{args.steps} steps, global batch {args.batch}; building the graph", flush=True)
+    print(f"large_classifier: {args.classes} classes, {args.steps} steps, global batch "
+          f"{args.batch}; building the graph", flush=True)
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
                          "cluster.colocate_split_and_replicate": True,

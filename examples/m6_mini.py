@@ -114,9 +114,8 @@ def main() -> None:
     parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, losses)")
     args = parser.parse_args()
 
-    print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts split over {args.devices} virtual "
-          f"devices, {args.steps} steps, global batch {args.batch}; building the graph",
-          flush=True)
+    print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts, {args.steps} steps, global batch "
+          f"{args.batch}; building the graph", flush=True)
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
                          "cluster.colocate_split_and_replicate": True,

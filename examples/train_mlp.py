@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
     args = parser.parse_args()
 
-    print(f"train_mlp: {args.steps} steps, global batch {args.batch}, {args.devices} virtual "
-          "devices; building the graph", flush=True)
+    print(f"train_mlp: {args.steps} steps, global batch {args.batch}; building the graph",
+          flush=True)
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": args.devices, "debug.log_level": "INFO"}))
 

@@ -15,8 +15,10 @@ What EPL changes in TensorFlow's trace:
 - collectives (by op type, `epl.ir.collectives`) are named after what they
   carry: "EPL all-reduce: hidden1/kernel, hidden1/bias (+4 more) 332.0 KiB".
   What a collective carries is found from the data flow: the variables whose
-  update ops its result reaches; a collective that reaches none (a merged
-  fetch such as the loss) is named after its first consumer. The op type
+  update ops its result reaches; a collective that reaches none is named
+  after its first consumer, or after itself with "(no consumer)" (a merged
+  fetch such as the loss; a device's part of a local reduction whose copy
+  only device 0 passes on to Horovod). The op type
   and node name stay in the event's args.
 
 A user's own `options`/`run_metadata` are kept (the trace level is raised
@@ -195,6 +197,6 @@ def collective_labels(graph: tf.Graph) -> dict[str, str]:
                                                if len(variables) > 3 else "")
         else:
             consumers = [c for t in op.outputs for c in t.consumers()]
-            what = f"into {consumers[0].name}" if consumers else op.name
+            what = f"into {consumers[0].name}" if consumers else f"{op.name} (no consumer)"
         labels[op.name] = f"EPL {_kind(op.type)}: {what} {_bytes(payload_bytes(op))}"
     return labels
