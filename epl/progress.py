@@ -8,7 +8,8 @@ TensorBoard) what a user watches while a model trains:
     step    20  loss 1.4121   13031 samples/s
     ...
     step   200  loss 0.3120   13512 samples/s
-    done: 200 steps in 9.3 s (session start 4.1 s, first step 1.52 s, then 13400 samples/s); final loss 0.3120
+    done: 200 steps in 9.3 s (session start 4.1 s, first step 1.52 s, then 13400 samples/s);
+      final loss 0.3120   (one line)
 
 - The first step is printed at once; then every `every_n_steps` steps and
   the last step (`last_step`, StopAtStepHook's), whatever the interval.

@@ -22,7 +22,6 @@ dynamic).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import tensorflow as tf

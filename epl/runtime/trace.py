@@ -47,7 +47,7 @@ KIND_WORDS = {"Reduce": "all-reduce", "Allreduce": "all-reduce", "Gather": "all-
 
 
 def trace_steps(config) -> tuple[int, ...]:
-    """The run numbers `debug.trace_steps` asks for; ConfigError if it is not a list of ints >= 1."""
+    """The runs `debug.trace_steps` asks for; ConfigError unless it is a list of ints >= 1."""
     steps = config.get("debug.trace_steps")
     if not isinstance(steps, (list, tuple)) or not steps or any(
             isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in steps):
