@@ -17,8 +17,10 @@ TensorBoard) what a user watches while a model trains:
   initialization) and the first step (TensorFlow's graph optimization);
   each line's rate covers the steps since the previous line, and the end
   summary's covers every step after the first.
-- The step is the global step after the run (the read fetched with the run
-  plus one), or the number of runs when the graph has no global step.
+- The step is the global step when the session was created plus the number
+  of runs since (one increment per run; reading the global step in the same
+  run as the increment may see either value), or the number of runs when
+  the graph has no global step.
 - With `output_dir`, every printed step also writes the scalar summaries
   ``samples/sec`` and the fetched tensors, and the session's graph is
   written once after the session is created, which is the parallel graph
@@ -77,6 +79,7 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
         self._mark = (0, 0.0)  # (step, time) of the previous printed line after warm-up
         self._runs = 0
         self._first = 0
+        self._base = 0
 
     def begin(self) -> None:
         self._times = {"begin": time.perf_counter()}
@@ -84,6 +87,7 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
         self._runs = 0
 
     def after_create_session(self, session, coord) -> None:
+        self._base = int(session.run(self._global_step)) if self._global_step is not None else 0
         now = self._times["ready"] = time.perf_counter()
         self.print_fn(f"session ready after {now - self._times['begin']:.1f} s "
                       "(graph rewrite and variable initialization)")
@@ -95,18 +99,13 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
             self._writer.flush()
 
     def before_run(self, run_context):
-        fetches = dict(self.tensors)
-        if self._global_step is not None:
-            fetches["__step__"] = self._global_step
-        return tf.compat.v1.train.SessionRunArgs(fetches)
+        return tf.compat.v1.train.SessionRunArgs(dict(self.tensors))
 
     def after_run(self, run_context, run_values) -> None:
         now = time.perf_counter()
-        results = dict(run_values.results)
         self._runs += 1
-        stale = results.pop("__step__", None)
-        self.step = int(stale) + 1 if stale is not None else self._runs
-        self.values = results
+        self.step = self._base + self._runs
+        self.values = dict(run_values.results)
         if self._runs == 1:
             self._times["first"] = now
             self._first = self.step

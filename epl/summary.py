@@ -152,7 +152,7 @@ def format_summary(summary: ParallelSummary) -> list[str]:
     if s.when_fetched.count:
         lines.append(f"  collectives when fetched (merged tensors): {_totals(s.when_fetched)}")
     slowest = sorted(s.pass_s.items(), key=lambda item: -item[1])
-    shown = [(name, sec) for name, sec in slowest if sec >= 0.005][:5]
+    shown = slowest[:1] + [(name, sec) for name, sec in slowest[1:5] if sec >= 0.005]
     rest = sum(sec for name, sec in slowest) - sum(sec for _, sec in shown)
     lines.append("  passes: " + ", ".join([f"{name} {sec:.2f} s" for name, sec in shown]
                                           + [f"others {rest:.2f} s"]))
