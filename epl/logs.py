@@ -45,16 +45,27 @@ def get_logger(module_name: str) -> logging.Logger:
 
 
 class _EPLHandler(logging.StreamHandler):
-    """The stream handler `configure` attaches (recognised so it is attached once)."""
+    """The stream handler `configure` attaches (recognised so it is attached once).
+
+    It prints only while the root logger has no handler: once the application
+    configured logging (logging.basicConfig, pytest's capture), EPL's records
+    propagate there and are printed once, by the application's handlers.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        self.stream = sys.stderr   # the current stderr (it may have been replaced)
+        super().emit(record)
 
 
 def configure(level: str) -> None:
-    """Attach EPL's stream handler (stderr) to the "epl" logger at `level`.
+    """Attach EPL's stream handler (sys.stderr) to the "epl" logger at `level`.
 
     level: one of DEBUG, INFO, WARNING, ERROR (any case); "" does nothing.
-    Calling it again changes the level and keeps the one handler. The "epl"
-    logger then stops propagating to the root logger, so a message is not
-    printed twice when the application also configured logging.
+    Calling it again changes the level and keeps the one handler. Records
+    still propagate to the root logger; the handler stays quiet while the root
+    logger has handlers of its own, so no message is printed twice.
     """
     if not level:
         return
@@ -66,8 +77,7 @@ def configure(level: str) -> None:
     logger = logging.getLogger(LOGGER_NAME)
     handler = next((h for h in logger.handlers if isinstance(h, _EPLHandler)), None)
     if handler is None:
-        handler = _EPLHandler(sys.stderr)
+        handler = _EPLHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
         logger.addHandler(handler)
     logger.setLevel(getattr(logging, name))
-    logger.propagate = False

@@ -92,14 +92,18 @@ def test_no_summary_is_built_below_info(epl_env, epl_records):
     assert not epl_records
 
 
-def test_debug_log_level_attaches_one_handler(epl_env, epl_records):
+def test_debug_log_level_attaches_one_handler(epl_env, epl_records, capsys, monkeypatch):
     logger = logging.getLogger("epl")
-    before = len(logger.handlers)
     epl_env({"debug.log_level": "info"})
     epl_env({"debug.log_level": "DEBUG"})
-    ours = [h for h in logger.handlers if isinstance(h, logs._EPLHandler)]
-    assert len(ours) == 1 and len(logger.handlers) == before + 1
-    assert logger.level == logging.DEBUG and not logger.propagate
+    assert len([h for h in logger.handlers if isinstance(h, logs._EPLHandler)]) == 1
+    assert logger.level == logging.DEBUG and logger.propagate
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])   # an unconfigured application
+    logging.getLogger("epl.test").info("hello %s", "there")
+    assert capsys.readouterr().err.endswith(" EPL INFO epl.test: hello there\n")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    logging.getLogger("epl.test").info("quiet")   # the application's handlers print it
+    assert capsys.readouterr().err == ""
 
 
 def test_bad_log_level_is_a_clear_error(epl_env):
