@@ -296,6 +296,16 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "Directory for graph dumps after every pass ('' = no dumps)."),
     KeySpec("debug.check_invariants", "bool", False,
             "Check graph invariants between passes."),
+    KeySpec("debug.log_level", "str", "",
+            "Level of the stream handler epl.init attaches to the 'epl' logger ('' = leave "
+            "logging to the application).",
+            allowed=("", "DEBUG", "INFO", "WARNING", "ERROR")),
+    KeySpec("debug.trace_dir", "str", "",
+            "Directory for Chrome traces (chrome://tracing, Perfetto) of the training "
+            "steps in debug.trace_steps ('' = no traces)."),
+    KeySpec("debug.trace_steps", "list", [2],
+            "Training runs to trace with debug.trace_dir, counted from 1 per graph "
+            "(the first run includes TensorFlow's warm-up)."),
 )
 
 _SPECS: dict[str, KeySpec] = {spec.key: spec for spec in _SCHEMA}

@@ -4,72 +4,118 @@ The pass manager's dump instrument calls `write_pass_dump` after every graph
 pass (index 0, by convention pass name ``"input"``, is the graph before any
 pass). A dump directory ``D`` then holds, for each pass:
 
-- ``D/NNN_<pass>.pbtxt``: the GraphDef in protobuf text format (``NNN`` is
-  the zero-padded 3-digit index; characters outside ``[A-Za-z0-9_.-]`` in
-  the pass name are replaced by ``_`` in file names only);
+- ``D/NNN_<pass>.pb``: the GraphDef, binary (``NNN`` is the zero-padded
+  3-digit index; characters outside ``[A-Za-z0-9_.-]`` in the pass name are
+  replaced by ``_`` in file names only). Constant values larger than
+  `MAX_CONSTANT_BYTES` are left out: the tensor keeps its dtype and shape,
+  loses its content, and the node gets the attribute ``_epl_dump_elided``
+  (the number of bytes left out). A pass that left the graph byte for byte
+  as the previous pass had it writes no graph file: its manifest entry names
+  the previous pass's file and says ``"unchanged": true``.
 - ``D/NNN_<pass>.json``: the pass summary given by the pass manager plus
-  ``"index"``, ``"pass"``, ``"graph"`` (the pbtxt file name) and
+  ``"index"``, ``"pass"``, ``"graph"`` (the graph file name) and
   ``"num_ops"``;
 
-and one ``D/manifest.json`` = ``{"passes": [{"index", "pass", "graph",
-"summary"}, ...]}`` sorted by index, where ``"graph"`` and ``"summary"``
-are file names relative to ``D``.
+and one ``D/manifest.json`` = ``{"format": 2, "passes": [{"index", "pass",
+"graph", "summary", "num_ops", "sha256", "unchanged"}, ...]}`` sorted by
+index, where ``"graph"`` and ``"summary"`` are file names relative to ``D``.
+Readers also accept the format-1 dumps of earlier versions (text
+``.pbtxt`` graphs, entries without the last three keys).
+
+With several workers each writes its own directory, ``D/rank_<r>``
+(`rank_dump_dir`); `resolve_dump_dir` finds a rank's directory from ``D``.
 
 Summary keys the pass manager provides (all optional here): ``duration_s``
 (float), ``added`` and ``removed`` (lists of op names), ``op_map`` ({old op
-name: [new op names]}) and ``passes_before`` (list of pass names). Values
-that JSON cannot hold (sets, tuples, numpy scalars) are converted; anything
-else is written as its ``str``.
+name: [new op names]}), ``notes`` (lines the pass wrote about what it did)
+and ``passes_before`` (list of pass names). Values that JSON cannot hold
+(sets, tuples, numpy scalars) are converted; anything else is written as its
+``str``.
 
 Decisions:
 
 - Writing index 0 starts a new dump: the entries (and their files) of an
   earlier run listed in the manifest are dropped, so a directory reused
   across runs never mixes two runs' passes.
-- Rewriting an index replaces its entry (and removes its old files when the
-  pass name changed).
+- Rewriting an index replaces its entry (its files are removed unless
+  another entry still names them).
 - Files are written to a temporary name and renamed, so a reader never sees
-  a half-written manifest. One writer per directory is assumed (give each
-  worker its own directory).
+  a half-written manifest. One writer per directory is assumed (each worker
+  has its own directory).
 
-`read_dump` and `load_graph_def` read the directory back; `select_pass`
-resolves a pass by name or index. All reading errors are `DumpError`, whose
-message names the problem and what exists instead.
+`read_dump` reads the directory back; graphs are loaded only when a
+`PassDump`'s ``graph_def`` is first used, and a file several passes share is
+parsed once. `select_pass` resolves a pass by name or index. All reading
+errors are `DumpError`, whose message names the file, the problem and what
+to do.
 """
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, tensor_pb2
 
 from epl.errors import EPLError
 
 MANIFEST_NAME = "manifest.json"
 INPUT_PASS_NAME = "input"
+FORMAT_VERSION = 2
+GRAPH_SUFFIX = ".pb"
+MAX_CONSTANT_BYTES = 1024
+ELIDED_ATTR = "_epl_dump_elided"
+RANK_DIR_PREFIX = "rank_"
+FRESH_DUMP_HINT = "write a fresh dump (run the script again with debug.dump_dir set)"
 
 
 class DumpError(EPLError, ValueError):
     """A dump directory or graph file is missing, malformed or lacks a pass."""
 
 
-@dataclasses.dataclass
 class PassDump:
     """One pass of a dump: its index, pass name, graph and summary dict.
 
     `summary` is the content of the pass's JSON file (the pass manager's
-    summary plus "index", "pass", "graph" and "num_ops").
+    summary plus "index", "pass", "graph" and "num_ops"). `graph_def` is
+    loaded from `graph_path` when first read (or given directly).
+    `unchanged` is True when the pass left the previous pass's graph as it
+    was (the two share one graph file).
     """
 
-    index: int
-    pass_name: str
-    graph_def: graph_pb2.GraphDef
-    summary: dict[str, Any]
+    def __init__(self, index: int, pass_name: str, graph_def: graph_pb2.GraphDef | None = None,
+                 summary: dict[str, Any] | None = None, graph_path: str | None = None,
+                 unchanged: bool = False, num_ops: int | None = None,
+                 loader: Callable[[str], graph_pb2.GraphDef] | None = None) -> None:
+        self.index = index
+        self.pass_name = pass_name
+        self.summary = summary if summary is not None else {}
+        self.graph_path = graph_path
+        self.unchanged = unchanged
+        self._graph_def = graph_def
+        self._num_ops = num_ops
+        self._loader = loader or load_graph_def
+
+    @property
+    def graph_def(self) -> graph_pb2.GraphDef:
+        """The pass's GraphDef (loaded from `graph_path` on first use)."""
+        if self._graph_def is None:
+            if self.graph_path is None:
+                raise DumpError(f"pass {self.label} has no graph")
+            self._graph_def = self._loader(self.graph_path)
+        return self._graph_def
+
+    @property
+    def num_ops(self) -> int:
+        """The number of ops, from the manifest or summary when known (no loading)."""
+        if self._num_ops is None:
+            counted = self.summary.get("num_ops")
+            self._num_ops = counted if isinstance(counted, int) else len(self.graph_def.node)
+        return self._num_ops
 
     @property
     def label(self) -> str:
@@ -82,6 +128,13 @@ class PassDump:
 # --------------------------------------------------------------------------
 
 
+def rank_dump_dir(dump_dir: str, worker_rank: int, num_workers: int) -> str:
+    """The directory a worker writes: `dump_dir` alone, ``dump_dir/rank_<r>`` with several."""
+    if num_workers <= 1:
+        return dump_dir
+    return os.path.join(dump_dir, f"{RANK_DIR_PREFIX}{worker_rank}")
+
+
 def pass_file_stem(index: int, pass_name: str) -> str:
     """Return the file stem ``NNN_<pass>`` for a pass index and name."""
     if index < 0:
@@ -90,26 +143,61 @@ def pass_file_stem(index: int, pass_name: str) -> str:
     return f"{index:03d}_{safe_name}"
 
 
+def elide_large_constants(graph_def: graph_pb2.GraphDef,
+                          max_bytes: int = MAX_CONSTANT_BYTES) -> int:
+    """Drop the content of every constant tensor larger than `max_bytes`, in place.
+
+    Looks at the tensor-valued attrs of the graph's nodes and of its function
+    library. A dropped tensor keeps its dtype and shape; its node gets the
+    attr `ELIDED_ATTR` = bytes dropped. Returns the total bytes dropped.
+    """
+    dropped = 0
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    for node in nodes:
+        large = [value.tensor for value in node.attr.values()
+                 if value.WhichOneof("value") == "tensor" and value.tensor.ByteSize() > max_bytes]
+        for tensor in large:
+            size = tensor.ByteSize()
+            kept = tensor_pb2.TensorProto(dtype=tensor.dtype)
+            kept.tensor_shape.CopyFrom(tensor.tensor_shape)
+            tensor.CopyFrom(kept)
+            node.attr[ELIDED_ATTR].i += size
+            dropped += size
+    return dropped
+
+
 def write_pass_dump(dump_dir: str, index: int, pass_name: str,
                     graph_def: graph_pb2.GraphDef, summary: dict | None) -> str:
     """Write one pass's graph and summary into `dump_dir`; update the manifest.
 
     Consumes the dump directory (created if missing), the pass index and
-    name, the GraphDef after the pass and the pass manager's summary dict
-    (any of its keys may be missing; `None` means an empty summary).
-    Produces ``NNN_<pass>.pbtxt``, ``NNN_<pass>.json`` and an updated
-    ``manifest.json``; returns the path of the pbtxt file.
+    name, the GraphDef after the pass (its large constants are elided in
+    place) and the pass manager's summary dict (any key may be missing;
+    `None` means an empty summary). Produces ``NNN_<pass>.pb`` (unless the
+    graph equals the previous pass's), ``NNN_<pass>.json`` and an updated
+    ``manifest.json``; returns the path of the graph file the pass uses.
     """
     os.makedirs(dump_dir, exist_ok=True)
     stem = pass_file_stem(index, pass_name)
-    graph_file, summary_file = stem + ".pbtxt", stem + ".json"
-    _write_atomic(os.path.join(dump_dir, graph_file),
-                  text_format.MessageToString(graph_def))
+    elide_large_constants(graph_def)
+    data = graph_def.SerializeToString(deterministic=True)
+    digest = hashlib.sha256(data).hexdigest()
+    entries = _read_manifest_entries_for_update(dump_dir)
+    previous = max((e for e in entries if e.get("index", -1) < index),
+                   key=lambda e: e["index"], default=None) if index > 0 else None
+    unchanged = (previous is not None and previous.get("sha256") == digest
+                 and os.path.isfile(os.path.join(dump_dir, str(previous.get("graph")))))
+    graph_file = previous["graph"] if unchanged else stem + GRAPH_SUFFIX
+    if not unchanged:
+        _write_atomic(os.path.join(dump_dir, graph_file), data)
+    summary_file = stem + ".json"
     record = _summary_record(summary, index, pass_name, graph_file, graph_def)
-    _write_atomic(os.path.join(dump_dir, summary_file), _to_json(record))
-    entry = {"index": index, "pass": pass_name, "graph": graph_file,
-             "summary": summary_file}
-    _update_manifest(dump_dir, entry)
+    _write_atomic(os.path.join(dump_dir, summary_file), _to_json(record).encode("utf-8"))
+    entry = {"index": index, "pass": pass_name, "graph": graph_file, "summary": summary_file,
+             "num_ops": len(graph_def.node), "sha256": digest, "unchanged": unchanged}
+    _update_manifest(dump_dir, entries, entry)
     return os.path.join(dump_dir, graph_file)
 
 
@@ -122,19 +210,19 @@ def _summary_record(summary: dict | None, index: int, pass_name: str,
     return record
 
 
-def _update_manifest(dump_dir: str, entry: dict) -> None:
-    """Insert or replace `entry` in the manifest, dropping stale runs at 0."""
-    entries = _read_manifest_entries_for_update(dump_dir)
+def _update_manifest(dump_dir: str, entries: list[dict], entry: dict) -> None:
+    """Insert or replace `entry` among `entries`, dropping stale runs at index 0."""
     if entry["index"] == 0:
         stale, kept = entries, []
     else:
         stale = [e for e in entries if e.get("index") == entry["index"]]
         kept = [e for e in entries if e.get("index") != entry["index"]]
-    _remove_entry_files(dump_dir, stale, keep={entry["graph"], entry["summary"]})
     kept.append(entry)
     kept.sort(key=lambda e: e["index"])
+    in_use = {e.get(key) for e in kept for key in ("graph", "summary")}
+    _remove_entry_files(dump_dir, stale, keep=in_use)
     _write_atomic(os.path.join(dump_dir, MANIFEST_NAME),
-                  _to_json({"passes": kept}))
+                  _to_json({"format": FORMAT_VERSION, "passes": kept}).encode("utf-8"))
 
 
 def _read_manifest_entries_for_update(dump_dir: str) -> list[dict]:
@@ -147,10 +235,10 @@ def _read_manifest_entries_for_update(dump_dir: str) -> list[dict]:
             entries = json.load(handle).get("passes", [])
     except (OSError, ValueError, AttributeError):
         return []
-    return [e for e in entries if isinstance(e, dict) and "index" in e]
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("index"), int)]
 
 
-def _remove_entry_files(dump_dir: str, entries: list[dict], keep: set[str]) -> None:
+def _remove_entry_files(dump_dir: str, entries: list[dict], keep: set) -> None:
     """Delete the files listed by `entries` (plain names only), except `keep`."""
     for entry in entries:
         for key in ("graph", "summary"):
@@ -162,17 +250,17 @@ def _remove_entry_files(dump_dir: str, entries: list[dict], keep: set[str]) -> N
                 os.remove(path)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename."""
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file and a rename."""
     tmp_path = f"{path}.tmp{os.getpid()}"
-    with open(tmp_path, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    with open(tmp_path, "wb") as handle:
+        handle.write(data)
     os.replace(tmp_path, path)
 
 
 def _to_json(value: Any) -> str:
     """Serialize `value` as indented JSON, converting non-JSON values."""
-    return json.dumps(value, indent=2, sort_keys=False, default=_json_default) + "\n"
+    return json.dumps(value, indent=1, sort_keys=False, default=_json_default) + "\n"
 
 
 def _json_default(value: Any) -> Any:
@@ -234,11 +322,42 @@ def _parse_binary(data: bytes) -> graph_pb2.GraphDef:
     return graph_def
 
 
+def rank_dirs(dump_dir: str) -> dict[int, str]:
+    """The per-rank dump directories ``dump_dir/rank_<r>`` that hold a manifest."""
+    found = {}
+    if os.path.isdir(dump_dir):
+        for name in os.listdir(dump_dir):
+            rank = name[len(RANK_DIR_PREFIX):]
+            path = os.path.join(dump_dir, name)
+            if name.startswith(RANK_DIR_PREFIX) and rank.isdigit() and \
+                    os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+                found[int(rank)] = path
+    return dict(sorted(found.items()))
+
+
+def resolve_dump_dir(dump_dir: str, rank: int | None = None) -> str:
+    """The directory holding the manifest: `dump_dir`, or its ``rank_<r>`` (default rank 0).
+
+    A multi-worker dump has one ``rank_<r>`` directory per worker. Raises
+    `DumpError` when `rank` is given and there is no such rank.
+    """
+    ranks = rank_dirs(dump_dir)
+    if rank is None:
+        if ranks and not os.path.isfile(os.path.join(dump_dir, MANIFEST_NAME)):
+            return ranks[min(ranks)]
+        return dump_dir
+    if rank not in ranks:
+        have = ", ".join(str(r) for r in ranks) or "none (a single-worker dump: omit --rank)"
+        raise DumpError(f"{dump_dir!r} has no dump of rank {rank}; ranks: {have}")
+    return ranks[rank]
+
+
 def read_manifest(dump_dir: str) -> list[dict]:
     """Return the manifest entries of `dump_dir`, sorted by index.
 
     Raises `DumpError` when the directory or its manifest is missing or
-    malformed; the message lists what the directory holds instead.
+    malformed; the message names the file, what is wrong, and lists what the
+    directory holds instead when there is no manifest.
     """
     if not os.path.isdir(dump_dir):
         parent = os.path.dirname(os.path.abspath(dump_dir))
@@ -249,13 +368,59 @@ def read_manifest(dump_dir: str) -> list[dict]:
         raise DumpError(f"{dump_dir!r} has no {MANIFEST_NAME}, so it is not an"
                         f" EPL dump directory (it {_describe_listing(dump_dir)});"
                         " set debug.dump_dir or EPL_DEBUG_DUMP_DIR to write one")
+    content = _read_json(path, "manifest")
+    passes = content.get("passes") if isinstance(content, dict) else None
+    if not isinstance(passes, list):
+        raise DumpError(f"manifest {path!r} is corrupt: expected a JSON object with a list"
+                        f" \"passes\", got {_shape_of(content)}; {FRESH_DUMP_HINT}")
+    for position, entry in enumerate(passes):
+        problem = _entry_problem(entry)
+        if problem:
+            raise DumpError(f"manifest {path!r} is corrupt: entry {position} ({_clip(entry)})"
+                            f" {problem}; {FRESH_DUMP_HINT}")
+    return sorted(passes, key=lambda e: e["index"])
+
+
+def _entry_problem(entry: Any) -> str:
+    """What is wrong with one manifest entry ('' when nothing is)."""
+    if not isinstance(entry, dict):
+        return "is not a JSON object"
+    if not isinstance(entry.get("index"), int) or entry["index"] < 0:
+        return "has no integer \"index\" >= 0"
+    for key in ("pass", "graph"):
+        if not isinstance(entry.get(key), str) or not entry[key]:
+            return f"has no string \"{key}\""
+    if entry.get("summary") is not None and not isinstance(entry["summary"], str):
+        return "has a \"summary\" that is not a file name"
+    return ""
+
+
+def _read_json(path: str, what: str) -> Any:
+    """Parse the JSON file `path` (a dump's manifest or summary) or raise DumpError."""
     try:
         with open(path, encoding="utf-8") as handle:
-            entries = json.load(handle)["passes"]
-        return sorted(entries, key=lambda e: int(e["index"]))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise DumpError(f"{path!r} is malformed ({err!r}); expected"
-                        ' {"passes": [{"index", "pass", "graph", "summary"}]}') from err
+            return json.load(handle)
+    except UnicodeDecodeError as err:
+        raise DumpError(f"{what} {path!r} is corrupt: not UTF-8 text ({err.reason} at byte"
+                        f" {err.start}); {FRESH_DUMP_HINT}") from err
+    except json.JSONDecodeError as err:
+        raise DumpError(f"{what} {path!r} is corrupt: not valid JSON ({err.msg} at line"
+                        f" {err.lineno} column {err.colno}); {FRESH_DUMP_HINT}") from err
+    except OSError as err:
+        raise DumpError(f"cannot read {what} {path!r}: {err.strerror}") from err
+
+
+def _shape_of(value: Any) -> str:
+    """A short description of a JSON value's type ("a list", "null", ...)."""
+    names = {dict: "an object", list: "a list", str: "a string", int: "a number",
+             float: "a number", bool: "true/false", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _clip(value: Any, width: int = 80) -> str:
+    """The JSON text of `value`, cut to `width` characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _describe_listing(directory: str, limit: int = 10) -> str:
@@ -270,30 +435,48 @@ def _describe_listing(directory: str, limit: int = 10) -> str:
     return f"contains: {shown}{more}"
 
 
+def read_summary(dump_dir: str, entry: dict) -> dict[str, Any]:
+    """The summary dict of one manifest entry ({} when the entry names none)."""
+    name = entry.get("summary")
+    if not name:
+        return {}
+    path = os.path.join(dump_dir, name)
+    if not os.path.isfile(path):
+        raise DumpError(f"summary file {path!r} named by the manifest does not exist;"
+                        f" {FRESH_DUMP_HINT}")
+    summary = _read_json(path, "summary")
+    if not isinstance(summary, dict):
+        raise DumpError(f"summary {path!r} is corrupt: expected a JSON object, got"
+                        f" {_shape_of(summary)}; {FRESH_DUMP_HINT}")
+    return summary
+
+
 def read_dump(dump_dir: str) -> list[PassDump]:
     """Read every pass of a dump directory, sorted by index.
 
-    Consumes a directory written by `write_pass_dump`; produces one
-    `PassDump` per manifest entry. Raises `DumpError` for a missing
-    directory, manifest or referenced file.
+    Consumes a directory written by `write_pass_dump` (with a multi-worker
+    dump, rank 0's; see `resolve_dump_dir`); produces one `PassDump` per
+    manifest entry, with its summary read and its graph loaded on first use
+    (one parse per graph file). Raises `DumpError` for a missing directory,
+    a missing or corrupt manifest or summary.
     """
-    return [_read_entry(dump_dir, entry) for entry in read_manifest(dump_dir)]
+    dump_dir = resolve_dump_dir(dump_dir)
+    cache: dict[str, graph_pb2.GraphDef] = {}
 
+    def load(path: str) -> graph_pb2.GraphDef:
+        if path not in cache:
+            cache[path] = load_graph_def(path)
+        return cache[path]
 
-def _read_entry(dump_dir: str, entry: dict) -> PassDump:
-    """Load the graph and summary files named by one manifest entry."""
-    graph_def = load_graph_def(os.path.join(dump_dir, entry["graph"]))
-    summary: dict[str, Any] = {}
-    summary_name = entry.get("summary")
-    if summary_name:
-        summary_path = os.path.join(dump_dir, summary_name)
-        if not os.path.isfile(summary_path):
-            raise DumpError(f"summary file {summary_path!r} named by the"
-                            " manifest does not exist")
-        with open(summary_path, encoding="utf-8") as handle:
-            summary = json.load(handle)
-    return PassDump(index=int(entry["index"]), pass_name=str(entry["pass"]),
-                    graph_def=graph_def, summary=summary)
+    dumps = []
+    for entry in read_manifest(dump_dir):
+        num_ops = entry.get("num_ops")
+        dumps.append(PassDump(
+            index=entry["index"], pass_name=entry["pass"], summary=read_summary(dump_dir, entry),
+            graph_path=os.path.join(dump_dir, entry["graph"]),
+            unchanged=bool(entry.get("unchanged")),
+            num_ops=num_ops if isinstance(num_ops, int) else None, loader=load))
+    return dumps
 
 
 def select_pass(dumps: list[PassDump], key: str | int) -> PassDump:

@@ -37,6 +37,8 @@ def init(config: Config | dict | None = None) -> Config:
     from epl import hooks  # local import: hooks import the passes, which import this module
     hooks.install()
     _ENV["config"] = config
+    from epl.logs import configure as configure_logging
+    configure_logging(config.get("debug.log_level"))
     return config
 
 

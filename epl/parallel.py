@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
+import time
 
 import tensorflow as tf
 
@@ -73,6 +75,8 @@ class ParallelGraph:
     # io.batch_mode "replica": user's static-batch placeholder -> FeedRedirect (the
     # session moves a feed of it onto EPL's placeholder of every unit's rows)
     feeds: dict = dataclasses.field(default_factory=dict)
+    # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
+    tracer: object = None
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -146,6 +150,7 @@ def _cyclic_gc_paused():
 
 def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
     """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
+    start = time.perf_counter()
     config = get_config()
     cluster = local_cluster(config)
     profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
@@ -185,6 +190,20 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)
+    from epl.runtime.trace import make_tracer
+    result.tracer = make_tracer(config, cluster, graph)
     state.parallelized = True
     state.result = result
+    _log_summary(result, ctx, config, time.perf_counter() - start)
     return result
+
+
+def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: float) -> None:
+    """Log what parallelize built (epl.summary) at INFO through the "epl" logger."""
+    logger = logging.getLogger(__name__)
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    from epl.summary import format_summary, summarize
+    summary = summarize(result.graph, result.plan, result.cluster, result.view, config,
+                        ctx.timings, rewrite_s, list(result.fetch_map.values()))
+    logger.info("%s", "\n".join(format_summary(summary)))

@@ -80,7 +80,11 @@ class TimingInstrument(Instrument):
 
 
 class DumpInstrument(Instrument):
-    """Writes the graph before the first pass and after each pass (debug.dump_dir)."""
+    """Writes the graph before the first pass and after each pass (debug.dump_dir).
+
+    The format is epl.dump_format's; with several workers each writes
+    `dump_dir`/rank_<r>.
+    """
 
     def __init__(self, dump_dir: str, first_index: int = 0):
         """first_index: index of the first dump (after dumps written at gradient time)."""
@@ -91,17 +95,20 @@ class DumpInstrument(Instrument):
         if graph_pass is None:  # the graph the passes receive
             name = "input" if self.first_index == 0 else "gradients"
             self._write(self.first_index, name, graph,
-                        {"duration_s": 0.0, "passes_before": []})
+                        {"duration_s": 0.0, "passes_before": []}, ctx)
 
     def after(self, graph_pass, graph, ctx, result, duration_s):
         summary = {"duration_s": duration_s, "added": result.added, "removed": result.removed,
                    "op_map": result.op_map, "notes": result.notes,
                    "passes_before": list(ctx.passes_run[:-1])}
-        self._write(self.first_index + len(ctx.passes_run), graph_pass.name, graph, summary)
+        self._write(self.first_index + len(ctx.passes_run), graph_pass.name, graph, summary, ctx)
 
-    def _write(self, index, name, graph, summary):
-        from epl.dump_format import write_pass_dump
-        write_pass_dump(self.dump_dir, index, name, graph.as_graph_def(add_shapes=True), summary)
+    def _write(self, index, name, graph, summary, ctx=None):
+        from epl.dump_format import rank_dump_dir, write_pass_dump
+        cluster = getattr(ctx, "cluster", None)
+        directory = self.dump_dir if cluster is None else \
+            rank_dump_dir(self.dump_dir, cluster.worker_rank, cluster.num_workers)
+        write_pass_dump(directory, index, name, graph.as_graph_def(add_shapes=True), summary)
 
 
 def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:

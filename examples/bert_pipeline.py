@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from epl.progress import ProgressHook
 
 MASK_ID = 0
 GROUP = 8   # tokens of one sequence come from one group of GROUP consecutive ids
@@ -147,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--masked", type=int, default=2, help="masked positions per sequence")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
     return parser.parse_args(argv)
 
 
@@ -158,10 +159,12 @@ def global_batch(args) -> int:
 def main(argv=None) -> dict:
     """Train; print progress; return the last step's loss and accuracy."""
     args = parse_args(argv)
+    print(f"bert_pipeline: {args.steps} steps; building the graph", flush=True)
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
                          "pipeline.num_micro_batch": args.micro_batches,
                          "pipeline.strategy": args.strategy,
-                         "communication.sparse_as_dense": True}))
+                         "communication.sparse_as_dense": True,
+                         "debug.log_level": "INFO"}))
     with tf.Graph().as_default():
         tokens, positions, targets = tf.compat.v1.data.make_one_shot_iterator(
             synthetic_dataset(args.batch, args.seq_len, args.vocab, args.masked)).get_next()
@@ -183,21 +186,18 @@ def main(argv=None) -> dict:
               f"{args.vocab}; 2 stages x {args.micro_batches} micro-batches ({args.strategy}) "
               f"on {args.devices} device(s); micro-batch {args.batch}, global batch "
               f"{global_batch(args)}", flush=True)
-        hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
-        last = {}
-        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
-            start, logged, step = time.perf_counter(), 0, 0
+        progress = ProgressHook(global_batch(args),
+                                {"loss": loss, "masked-token accuracy": accuracy},
+                                every_n_steps=args.log_every, last_step=args.steps,
+                                output_dir=args.logdir)
+        hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps), progress]
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=hooks, summary_dir=args.logdir,
+                log_step_count_steps=args.log_every) as sess:
             while not sess.should_stop():
-                _, value, acc = sess.run([train_op, loss, accuracy])
-                step += 1
-                last = {"step": step, "loss": float(value), "accuracy": float(acc)}
-                if step % args.log_every == 0 or step == args.steps or step == 1:
-                    elapsed = time.perf_counter() - start
-                    rate = (step - logged) * global_batch(args) / max(elapsed, 1e-9)
-                    print(f"step {step:5d}  loss {value:.4f}  masked-token accuracy {acc:.3f}  "
-                          f"{rate:8.0f} samples/s", flush=True)
-                    start, logged = time.perf_counter(), step
-    return last
+                sess.run(train_op)
+    return {"step": progress.step, "loss": float(progress.values["loss"]),
+            "accuracy": float(progress.values["masked-token accuracy"])}
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ frequent), so the loss falls well below log(100000) = 11.5.
     python examples/large_classifier.py [--steps 60] [--batch 32] [--classes 100000]
 """
 import argparse
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from epl.progress import ProgressHook
 import epl.layers as layers
 
 FEATURES, HIDDEN = 32, 64
@@ -68,11 +68,16 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--device-memory-mb", type=float, default=48.0)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
     args = parser.parse_args()
 
+    print(f"large_classifier: {args.classes} classes, {args.steps} steps, global batch "
+          f"{args.batch * args.devices} ({args.devices} replicas x {args.batch}); building the "
+          "graph", flush=True)
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
-                         "cluster.colocate_split_and_replicate": True}))
+                         "cluster.colocate_split_and_replicate": True,
+                         "debug.log_level": "INFO"}))
 
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         synthetic_dataset(args.classes, args.batch)).get_next()
@@ -85,16 +90,13 @@ def main() -> None:
     train_op = tf.compat.v1.train.AdamOptimizer(1e-2).minimize(loss, global_step=global_step)
     report_memory(tf.compat.v1.get_default_graph(), args.classes, args.device_memory_mb)
 
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
-    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
-        start, last = time.perf_counter(), 0
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
+             ProgressHook(args.batch * args.devices, {"loss": loss}, every_n_steps=args.log_every,
+                          last_step=args.steps, output_dir=args.logdir)]
+    with tf.compat.v1.train.MonitoredTrainingSession(
+            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
         while not sess.should_stop():
-            _, step, value = sess.run([train_op, global_step, loss])
-            if step % args.log_every == 0 and step > last:
-                elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch * args.devices / elapsed
-                print(f"step {step:5d}  loss {value:.4f}  {rate:9.0f} samples/s", flush=True)
-                start, last = time.perf_counter(), step
+            sess.run(train_op)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ text tokens go through one transformer whose feed-forward layers are
 mixtures of experts (top-2 gating, a capacity factor and the load-balancing
 loss). It is an ordinary tf.compat.v1 training script plus the EPL lines:
 - `epl.set_default_strategy(epl.replicate(1))`: everything is data-parallel
-  (one replica per device, each on its slice of the global batch);
+  (one replica per device, each drawing its own batch of --batch examples);
 - `epl.layers.moe(..., split_devices=4)` creates each layer's experts under
   `epl.split(4)`: each device holds 2 of the 8 experts, and each replica's
   tokens travel to their experts' devices and back by all-to-all.
@@ -20,12 +20,12 @@ previous tokens (a prefix language model), so the loss falls from log(128)
     python examples/m6_mini.py [--steps 120] [--batch 8] [--devices 4]
 """
 import argparse
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from epl.progress import ProgressHook
 import epl.layers as layers
 
 PATCHES, PATCH_DIM = 16, 48
@@ -112,11 +112,16 @@ def main() -> None:
                         help="one replica's batch (a step trains on devices x batch examples)")
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, losses)")
     args = parser.parse_args()
 
+    print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts, {args.steps} steps, global batch "
+          f"{args.batch * args.devices} ({args.devices} replicas x {args.batch}); building the "
+          "graph", flush=True)
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
-                         "cluster.colocate_split_and_replicate": True}))
+                         "cluster.colocate_split_and_replicate": True,
+                         "debug.log_level": "INFO"}))
     epl.set_default_strategy(epl.replicate(device_count=1))
 
     patches, captions = tf.compat.v1.data.make_one_shot_iterator(
@@ -126,17 +131,14 @@ def main() -> None:
     global_step = tf.compat.v1.train.get_or_create_global_step()
     train_op = tf.compat.v1.train.AdamOptimizer(2e-3).minimize(loss, global_step=global_step)
 
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
-    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
-        start, last = time.perf_counter(), 0
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
+             ProgressHook(args.batch * args.devices, {"caption loss": caption_loss, "balance loss": balance_loss},
+                          every_n_steps=args.log_every, last_step=args.steps,
+                          output_dir=args.logdir)]
+    with tf.compat.v1.train.MonitoredTrainingSession(
+            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
         while not sess.should_stop():
-            _, step, value, balance = sess.run([train_op, global_step, caption_loss, balance_loss])
-            if step % args.log_every == 0 and step > last:
-                elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch * args.devices / elapsed
-                print(f"step {step:5d}  caption loss {value:.4f}  balance loss {balance:.3f}  "
-                      f"{rate:7.0f} samples/s", flush=True)
-                start, last = time.perf_counter(), step
+            sess.run(train_op)
 
 
 if __name__ == "__main__":

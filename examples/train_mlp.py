@@ -13,15 +13,20 @@ The data are synthetic with a learnable signal: each class has a random
 prototype in feature space and examples are noisy copies of their class's
 prototype, so the loss falls well below log(num_classes).
 
-    python examples/train_mlp.py [--steps 200] [--batch 64] [--devices 4]
+    python examples/train_mlp.py [--steps 200] [--batch 64] [--devices 4] [--logdir DIR]
+
+Output: a first line at once, EPL's summary of the parallel graph (logged at
+INFO), then the step, the loss and samples/s every --log-every steps and at
+the last step, and an end summary (epl.progress.ProgressHook). With
+--logdir, TensorBoard shows the parallel graph, samples/sec and the loss.
 """
 import argparse
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import epl
+from epl.progress import ProgressHook
 
 FEATURES, CLASSES, HIDDEN = 64, 10, 256
 
@@ -54,10 +59,14 @@ def main() -> None:
                         help="one replica's batch (a step trains on devices x batch examples)")
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
     args = parser.parse_args()
 
+    print(f"train_mlp: {args.steps} steps, global batch {args.batch * args.devices} "
+          f"({args.devices} replicas x {args.batch}); building the graph",
+          flush=True)
     tf.compat.v1.disable_eager_execution()
-    epl.init(epl.Config({"cluster.virtual_devices": args.devices}))
+    epl.init(epl.Config({"cluster.virtual_devices": args.devices, "debug.log_level": "INFO"}))
 
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         synthetic_dataset(args.batch)).get_next()
@@ -70,16 +79,13 @@ def main() -> None:
     global_step = tf.compat.v1.train.get_or_create_global_step()
     train_op = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss, global_step=global_step)
 
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
-    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
-        start, last = time.perf_counter(), 0
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
+             ProgressHook(args.batch * args.devices, {"loss": loss}, every_n_steps=args.log_every,
+                          last_step=args.steps, output_dir=args.logdir)]
+    with tf.compat.v1.train.MonitoredTrainingSession(
+            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
         while not sess.should_stop():
-            _, step, value = sess.run([train_op, global_step, loss])
-            if step % args.log_every == 0 and step > last:
-                elapsed = time.perf_counter() - start
-                rate = (step - last) * args.batch * args.devices / elapsed
-                print(f"step {step:5d}  loss {value:.4f}  {rate:9.0f} samples/s", flush=True)
-                start, last = time.perf_counter(), step
+            sess.run(train_op)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,14 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels
 
 from epl.errors import ParallelizeError
+from epl.logs import get_logger
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.graph_view import input_args
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
 
 # the one list of op types AMP lowers, shared with the planner's memory model
+_LOG = get_logger(__name__)
 COMPUTE_HEAVY_TYPES = AMP_LOW_PRECISION_TYPES
 DYNAMIC_INITIAL_SCALE = 2.0 ** 15
 DYNAMIC_GROWTH_STEPS = 2000
@@ -144,12 +146,12 @@ class AmpPass(GraphPass):
                 reason = (f"{op.name} ({op.type}) kept in float32: no {dtype.name} kernel on "
                           f"{_device_type(device)}")
                 fallbacks.append(reason)
-                tf.compat.v1.logging.warning("EPL amp: %s", reason)
+                _LOG.warning("amp: %s", reason)
                 continue
             replacement[op] = self._lower(graph, view, op, attrs, dtype)
             converted[op] = replacement[op][-2]
             if config.get("amp.debug_log"):
-                tf.compat.v1.logging.info("EPL amp: %s (%s) runs in %s", op.name, op.type, dtype.name)
+                _LOG.info("amp: %s (%s) runs in %s", op.name, op.type, dtype.name)
         self._update_view(view, replacement)
         setting = loss_scale_setting(config)
         scale, scale_var, good_var = self._loss_scale(graph, view, setting, ctx.cluster.host_device)

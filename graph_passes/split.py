@@ -59,6 +59,7 @@ import warnings
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
+from epl.logs import get_logger
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs
 from epl.ir.clone import replace_input
@@ -66,6 +67,7 @@ from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.sharded_variable import SHARD_ATTR, shard_existing, shard_sizes
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
+_LOG = get_logger(__name__)
 REPLACED_ATTR = "_epl_split_replaced"
 
 
@@ -460,11 +462,13 @@ class _Rewriter:
         if gathered:
             what = f"{op.name} (type {op.type})"
             self.record.fallbacks.append(what)
-            warnings.warn(
+            message = (
                 f"epl.split: op {what} has no split rule for its sharded input(s) "
                 f"{', '.join(t.name for t in gathered)}; EPL gathers the full tensor and runs "
                 f"the op unsplit on one device. Op types with split rules: "
-                f"{', '.join(splittable_op_types())}.", SplitFallbackWarning, stacklevel=2)
+                f"{', '.join(splittable_op_types())}.")
+            _LOG.warning("%s", message)
+            warnings.warn(message, SplitFallbackWarning, stacklevel=2)
 
     def finish(self, region: set) -> None:
         """Gather or sum values read outside the rewritten ops; place the region's ops."""

@@ -58,6 +58,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
+from epl.logs import get_logger
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
@@ -203,8 +204,8 @@ class ZeroPass(GraphPass):
         total = replicas * workers
         if total == 1:
             ctx.artifacts[self.name] = ZeroSharding({}, {}, {}, 1)
-            tf.compat.v1.logging.warning(
-                "EPL zero.level 'v1': one data-parallel replica in all, nothing to shard.")
+            get_logger(__name__).warning(
+                "zero.level 'v1': one data-parallel replica in all, nothing to shard.")
             return PassResult(notes=["one data-parallel replica: nothing to shard"])
         rank = comm.cross.rank if comm.cross is not None else 0
         entries = ctx.artifacts.get("zero_entries") or _check(ctx.view, ctx.config)

@@ -111,19 +111,19 @@ def _line_with(text: str, prefix: str, start: str = "") -> str:
 
 def test_writer_creates_graph_summary_and_manifest(dump_dir, graphs):
     names = sorted(os.listdir(dump_dir))
-    assert names == ["000_input.json", "000_input.pbtxt", "001_replicate.json",
-                     "001_replicate.pbtxt", "002_prune.json", "002_prune.pbtxt",
+    assert names == ["000_input.json", "000_input.pb", "001_replicate.json",
+                     "001_replicate.pb", "002_prune.json", "002_prune.pb",
                      "manifest.json"]
     with open(os.path.join(dump_dir, "manifest.json"), encoding="utf-8") as handle:
         manifest = json.load(handle)
     assert [(e["index"], e["pass"], e["graph"], e["summary"]) for e in manifest["passes"]] == [
-        (0, "input", "000_input.pbtxt", "000_input.json"),
-        (1, "replicate", "001_replicate.pbtxt", "001_replicate.json"),
-        (2, "prune", "002_prune.pbtxt", "002_prune.json")]
+        (0, "input", "000_input.pb", "000_input.json"),
+        (1, "replicate", "001_replicate.pb", "001_replicate.json"),
+        (2, "prune", "002_prune.pb", "002_prune.json")]
     with open(os.path.join(dump_dir, "001_replicate.json"), encoding="utf-8") as handle:
         summary = json.load(handle)
     assert summary["index"] == 1 and summary["pass"] == "replicate"
-    assert summary["graph"] == "001_replicate.pbtxt"
+    assert summary["graph"] == "001_replicate.pb"
     assert summary["num_ops"] == len(graphs[1].node)
     assert summary["passes_before"] == ["input"] and summary["duration_s"] == 0.0123
 
@@ -134,7 +134,7 @@ def test_read_dump_round_trips_graphs_and_summaries(dump_dir, graphs):
         (0, "input"), (1, "replicate"), (2, "prune")]
     assert dumps[0].graph_def == graphs[0] and dumps[1].graph_def == graphs[1]
     assert dumps[1].summary["op_map"] == {"logits": ["logits"]}
-    assert dumps[2].summary == {"index": 2, "pass": "prune", "graph": "002_prune.pbtxt",
+    assert dumps[2].summary == {"index": 2, "pass": "prune", "graph": "002_prune.pb",
                                 "num_ops": len(graphs[1].node) - 3}
 
 
@@ -151,9 +151,9 @@ def test_load_graph_def_reads_text_and_binary(tmp_path, graphs):
 def test_writer_tolerates_missing_and_non_json_summary_values(tmp_path, graphs):
     directory = str(tmp_path / "d")
     write_pass_dump(directory, 0, "input", graphs[0], None)
-    path = write_pass_dump(directory, 1, "odd/name", graphs[0], {
+    path = write_pass_dump(directory, 1, "odd/name", graphs[1], {
         "removed": {"b", "a"}, "op_map": {"a": ("x", "y")}, "duration_s": np.float32(0.5)})
-    assert os.path.basename(path) == "001_odd_name.pbtxt"
+    assert os.path.basename(path) == "001_odd_name.pb"
     dumps = read_dump(directory)
     assert dumps[1].pass_name == "odd/name"
     assert dumps[1].summary["removed"] == ["a", "b"]
@@ -168,10 +168,10 @@ def test_rewriting_an_index_replaces_it_and_index_zero_starts_a_new_dump(tmp_pat
     write_pass_dump(directory, 1, "a2", graphs[1], {})
     assert [(d.index, d.pass_name) for d in read_dump(directory)] == [
         (0, "input"), (1, "a2"), (2, "b")]
-    assert not os.path.exists(os.path.join(directory, "001_a.pbtxt"))
+    assert not os.path.exists(os.path.join(directory, "001_a.pb"))
     write_pass_dump(directory, 0, "input", graphs[0], {})
     assert [d.pass_name for d in read_dump(directory)] == ["input"]
-    assert sorted(os.listdir(directory)) == ["000_input.json", "000_input.pbtxt",
+    assert sorted(os.listdir(directory)) == ["000_input.json", "000_input.pb",
                                              "manifest.json"]
 
 
@@ -304,8 +304,8 @@ def test_diff_by_pass_name_and_index_agree(capsys, dump_dir, graphs):
 
 
 def test_diff_of_files_shows_changed_ops(capsys, dump_dir):
-    file_a = os.path.join(dump_dir, "001_replicate.pbtxt")
-    file_b = os.path.join(dump_dir, "002_prune.pbtxt")
+    file_a = os.path.join(dump_dir, "001_replicate.pb")
+    file_b = os.path.join(dump_dir, "002_prune.pb")
     code, out, _ = _run(capsys, "diff", file_a, file_b)
     assert code == 0
     assert "removed 3: mul/y, mul, apply_w" in out
@@ -342,7 +342,7 @@ def test_dot_clusters_by_device_and_highlights_collectives(capsys, dump_dir, tmp
 
 
 def test_dot_max_ops_keeps_collectives(capsys, tmp_path, dump_dir):
-    graph_file = os.path.join(dump_dir, "001_replicate.pbtxt")
+    graph_file = os.path.join(dump_dir, "001_replicate.pb")
     code, out, _ = _run(capsys, "dot", graph_file, "--max-ops", "3")
     assert code == 0
     assert out.count('label="') == 3 + 3 + 1  # 3 ops, 3 clusters at most, graph label
@@ -411,3 +411,163 @@ def test_select_pass_by_label(dump_dir):
     dumps = read_dump(dump_dir)
     assert dump_format.select_pass(dumps, "001_replicate").index == 1
     assert dump_format.select_pass(dumps, 2).pass_name == "prune"
+
+
+# --------------------------------------------------------------------------
+# Size and speed: elided constants, unchanged passes, lazy loading, ranks
+# --------------------------------------------------------------------------
+
+
+def _graph_with_constant(elements: int) -> graph_pb2.GraphDef:
+    """A graph holding a float32 constant of `elements` values and a scalar one."""
+    with tf.Graph().as_default() as graph:
+        big = tf.constant(np.arange(elements, dtype=np.float32), name="big")
+        tf.add(big, tf.constant(2.0, name="two"), name="sum")
+        return graph.as_graph_def(add_shapes=True)
+
+
+def test_large_constants_are_left_out_with_their_shape(tmp_path):
+    directory = str(tmp_path / "d")
+    path = write_pass_dump(directory, 0, "input", _graph_with_constant(100_000), {})
+    assert os.path.getsize(path) < 2000   # the 400 kB constant is not in the file
+    nodes = {node.name: node for node in load_graph_def(path).node}
+    big, two = nodes["big"], nodes["two"]
+    assert big.attr[dump_format.ELIDED_ATTR].i > 400_000
+    assert [d.size for d in big.attr["value"].tensor.tensor_shape.dim] == [100_000]
+    assert big.attr["value"].tensor.dtype == tf.float32.as_datatype_enum
+    assert not big.attr["value"].tensor.tensor_content
+    assert dump_format.ELIDED_ATTR not in two.attr
+    assert tf.make_ndarray(two.attr["value"].tensor) == 2.0
+
+
+def test_a_pass_that_changes_nothing_shares_the_previous_graph_file(tmp_path, capsys, graphs):
+    directory = str(tmp_path / "d")
+    write_pass_dump(directory, 0, "input", graphs[0], {})
+    write_pass_dump(directory, 1, "replicate", graphs[1], {"notes": ["4 replicas"]})
+    write_pass_dump(directory, 2, "zero", graphs[1],
+                    {"duration_s": 0.001, "notes": ["zero.level is off"]})
+    assert sorted(name for name in os.listdir(directory) if name.endswith(".pb")) == [
+        "000_input.pb", "001_replicate.pb"]
+    manifest = dump_format.read_manifest(directory)
+    assert [(e["graph"], e["unchanged"]) for e in manifest] == [
+        ("000_input.pb", False), ("001_replicate.pb", False), ("001_replicate.pb", True)]
+    code, out, _ = _run(capsys, directory)
+    assert code == 0
+    assert (f"[002] zero  duration 1.0 ms  ops {len(graphs[1].node)}  unchanged "
+            "(same graph as 001_replicate)\n  note: zero.level is off\n") in out
+    assert "  note: 4 replicas\n" in out
+    _, out, _ = _run(capsys, "--json", directory)
+    zero = json.loads(out)["passes"][2]
+    assert (zero["unchanged"], zero["same_as"], zero["notes"]) == (
+        True, "001_replicate", ["zero.level is off"])
+    # rewriting the pass that owns the shared file keeps the file for the later pass
+    write_pass_dump(directory, 1, "replicate", graphs[0], {})
+    assert os.path.isfile(os.path.join(directory, "001_replicate.pb"))
+    assert read_dump(directory)[2].graph_def == graphs[1]
+
+
+def test_show_of_one_pass_loads_only_that_graph(tmp_path, capsys, graphs):
+    directory = str(tmp_path / "d")
+    write_pass_dump(directory, 0, "input", graphs[0], {})
+    write_pass_dump(directory, 1, "replicate", graphs[1], {"added": [], "removed": []})
+    (tmp_path / "d" / "000_input.pb").write_bytes(b"not a graph")
+    code, out, _ = _run(capsys, directory, "--pass", "replicate")
+    assert code == 0 and "[001] replicate" in out
+    code, _, err = _run(capsys, directory)
+    assert code == 2 and "cannot parse" in err and "000_input.pb" in err
+
+
+def test_diff_shows_only_the_inputs_that_changed():
+    changes = epl_dump.input_changes(["a", "b:1", "^c", "^d"], ["a", "e", "f", "^d", "^g"])
+    assert changes == ["input 1: b:1 -> e", "input 2: (none) -> f", "control +^g -^c"]
+    assert epl_dump.input_changes(["a", "^c"], ["a", "^c"]) == []
+
+
+def test_each_worker_writes_its_own_directory(tmp_path, capsys, graphs):
+    root = str(tmp_path / "d")
+    assert dump_format.rank_dump_dir(root, 0, 1) == root
+    for rank in (0, 1):
+        directory = dump_format.rank_dump_dir(root, rank, 2)
+        assert directory == os.path.join(root, f"rank_{rank}")
+        write_pass_dump(directory, 0, "input", graphs[rank], {})
+    code, out, _ = _run(capsys, root)
+    assert code == 0
+    assert out.startswith(f"EPL dump {os.path.join(root, 'rank_0')} (1 passes; ranks 0, 1,"
+                          " --rank R for another)")
+    assert f"ops {len(graphs[0].node)}" in out
+    code, out, _ = _run(capsys, root, "--rank", "1")
+    assert code == 0 and f"ops {len(graphs[1].node)}" in out
+    code, _, err = _run(capsys, root, "--rank", "5")
+    assert (code, err) == (2, f"epl-dump: error: {root!r} has no dump of rank 5; ranks: 0, 1\n")
+
+
+def test_dump_instrument_writes_under_the_worker_rank(tmp_path):
+    from epl.cluster import Cluster
+    from epl.pass_manager import DumpInstrument, PassContext
+    ctx = PassContext(None, None, Cluster("CPU", 2, worker_rank=1, num_workers=2), None, None)
+    with tf.Graph().as_default() as graph:
+        tf.constant(1.0, name="c")
+    DumpInstrument(str(tmp_path)).before(None, graph, ctx)
+    assert os.listdir(tmp_path) == ["rank_1"]
+    assert [d.pass_name for d in read_dump(str(tmp_path / "rank_1"))] == ["input"]
+
+
+# --------------------------------------------------------------------------
+# Corrupt dumps: a clear error, never a traceback
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def small_dump(tmp_path, graphs) -> str:
+    """A dump of two passes, to corrupt."""
+    directory = str(tmp_path / "d")
+    write_pass_dump(directory, 0, "input", graphs[0], {})
+    write_pass_dump(directory, 1, "replicate", graphs[1], {})
+    return directory
+
+
+HINT = "write a fresh dump (run the script again with debug.dump_dir set)"
+
+
+@pytest.mark.parametrize("content,problem", [
+    ('{"passes": [', "not valid JSON (Expecting value at line 1 column 13)"),
+    ("[1, 2]", 'expected a JSON object with a list "passes", got a list'),
+    ('{"passes": {"index": 0}}', 'expected a JSON object with a list "passes", got an object'),
+    ('{"passes": [7]}', "entry 0 (7) is not a JSON object"),
+    ('{"passes": [{"index": "0", "pass": "input", "graph": "000_input.pb"}]}',
+     'entry 0 ({"index": "0", "pass": "input", "graph": "000_input.pb"}) has no integer'
+     ' "index" >= 0'),
+    ('{"passes": [{"index": 0, "pass": "input"}]}',
+     'entry 0 ({"index": 0, "pass": "input"}) has no string "graph"'),
+])
+def test_corrupt_manifest_is_a_clear_error(capsys, small_dump, content, problem):
+    path = os.path.join(small_dump, "manifest.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(content)
+    code, out, err = _run(capsys, small_dump)
+    assert (code, out) == (2, "")
+    assert err == f"epl-dump: error: manifest {path!r} is corrupt: {problem}; {HINT}\n"
+
+
+@pytest.mark.parametrize("content,problem", [
+    ('{"duration_s": 0.1,', "not valid JSON (Expecting property name enclosed in double"
+     " quotes at line 1 column 20)"),
+    ('["a"]', "expected a JSON object, got a list"),
+])
+def test_corrupt_summary_is_a_clear_error(capsys, small_dump, content, problem):
+    path = os.path.join(small_dump, "001_replicate.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(content)
+    code, out, err = _run(capsys, "diff", "--dir", small_dump, "input", "replicate")
+    assert (code, out) == (2, "")
+    assert err == f"epl-dump: error: summary {path!r} is corrupt: {problem}; {HINT}\n"
+
+
+def test_summary_that_is_not_utf8_is_a_clear_error(capsys, small_dump):
+    path = os.path.join(small_dump, "000_input.json")
+    with open(path, "wb") as handle:
+        handle.write(b"\xff\xfe{}")
+    code, _, err = _run(capsys, small_dump)
+    assert code == 2
+    assert err == (f"epl-dump: error: summary {path!r} is corrupt: not UTF-8 text (invalid"
+                   f" start byte at byte 0); {HINT}\n")

@@ -261,8 +261,8 @@ def test_split_pass_is_dumped(tmp_path):
     dump = str(tmp_path / "dump")
     train(dense_pair(), {"debug.dump_dir": dump}, steps=1)
     names = sorted(os.listdir(dump))
-    assert "001_split.pbtxt" in names and "002_gradients.pbtxt" in names
-    assert "003_annotate.pbtxt" in names
+    assert "001_split.pb" in names and "002_gradients.pb" in names
+    assert "003_annotate.json" in names
 
 
 # --------------------------------------------------------------------------

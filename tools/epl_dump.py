@@ -4,17 +4,20 @@ The pass manager writes a dump directory when ``debug.dump_dir`` (or
 ``EPL_DEBUG_DUMP_DIR``) is set; `epl.dump_format` describes its layout.
 This tool reads only those dumps (or plain GraphDef files)::
 
-    epl-dump DIR [--json] [--pass P ...] [--limit N]
+    epl-dump DIR [--json] [--pass P ...] [--limit N] [--rank R]
         For each pass in order: index, name, duration, op count; op counts
         by device, TaskGraph and phase (and replica / micro-batch when there
         is more than one); ops added and removed (first N names and a count
-        of the rest); every collective (kind, name, device, group, dtype,
-        shape, bytes). ``epl-dump show DIR`` is the same.
+        of the rest); the pass's notes; every collective (kind, name,
+        device, group, dtype, shape, bytes). A pass that left the graph as
+        it was is one line ("unchanged") plus its notes. With --pass only
+        those passes' graphs are loaded. ``epl-dump show DIR`` is the same.
     epl-dump diff A B [--dir DIR] [--json] [--limit N]
         A and B are GraphDef files (.pbtxt or .pb), or, with --dir, pass
         names or indices of the dump. Prints ops added, removed and changed
-        (type, device, inputs, attrs, output shapes), the change in
-        collectives, and counts by device/TaskGraph/phase before -> after.
+        (type, device, the inputs that changed, attrs, output shapes), the
+        change in collectives, and counts by device/TaskGraph/phase
+        before -> after.
     epl-dump dot GRAPH [--dir DIR] [-o OUT] [--max-ops N]
         A Graphviz DOT file: one cluster per device, nodes coloured by
         phase and labelled "name\\ntype", collectives drawn as red double
@@ -23,6 +26,13 @@ This tool reads only those dumps (or plain GraphDef files)::
     epl-dump tensorboard [GRAPH] [--dir DIR] --logdir L
         Writes a TensorBoard event file holding the graph. With a dump
         directory and no pass, every pass goes to its own run L/NNN_<pass>.
+
+A multi-worker dump has one directory per worker (DIR/rank_<r>); every
+command takes DIR and reads rank 0's unless --rank R is given.
+
+Constants larger than 1 KiB are left out of dumped graphs (dtype and shape
+kept, attr ``_epl_dump_elided`` = bytes left out), so a dumped graph shows
+the structure but does not run.
 
 EPL's node attributes are read from the NodeDefs, never inferred from op
 names: ``_epl_taskgraph`` (ops without it count as "(none)"),
@@ -34,8 +44,8 @@ A collective's shape and bytes describe its payload: the shape of input 0
 attr, else the op's own first output shape; bytes are the product of the
 dims times the dtype size when the shape is fully static (summed over the
 inputs for grouped Horovod ops and NcclReduce). Errors (a missing
-directory, no manifest, an unknown pass) print a message naming the problem
-and what exists, and exit with code 2.
+directory, no manifest, a corrupt manifest or summary, an unknown pass)
+print a message naming the problem and what exists, and exit with code 2.
 """
 from __future__ import annotations
 
@@ -52,8 +62,11 @@ import tensorflow as tf
 from google.protobuf import text_format
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 
-from epl.dump_format import (DumpError, PassDump, load_graph_def, read_dump,
-                             select_pass)
+from epl.dump_format import (DumpError, PassDump, load_graph_def, rank_dirs, read_dump,
+                             resolve_dump_dir, select_pass)
+from epl.ir.collectives import (COLLECTIVE_OPS, HOROVOD_COLLECTIVES, MULTI_PAYLOAD_OPS,
+                                NCCL_COLLECTIVES, NO_PAYLOAD_OPS, V1_COLLECTIVES,
+                                V2_COLLECTIVE_INPUTS, V3_COLLECTIVES)
 
 NONE_LABEL = "(none)"
 UNPLACED_LABEL = "(unplaced)"
@@ -61,29 +74,6 @@ PHASE_ORDER = ("forward", "backward", "apply", "other")
 DEFAULT_LIMIT = 20
 DEFAULT_MAX_DOT_OPS = 1000
 COMMANDS = ("show", "diff", "dot", "tensorboard")
-
-V1_COLLECTIVES = frozenset({"CollectiveReduce", "CollectiveGather",
-                            "CollectiveBcastSend", "CollectiveBcastRecv"})
-# Op type -> input positions of (group_size, group_key, instance_key).
-V2_COLLECTIVE_INPUTS = {
-    "CollectiveReduceV2": (1, 2, 3), "CollectiveGatherV2": (1, 2, 3),
-    "CollectiveBcastSendV2": (1, 2, 3), "CollectiveBcastRecvV2": (0, 1, 2),
-    "CollectiveAllToAllV2": (1, 2, 3), "CollectiveReduceScatterV2": (1, 2, 3),
-}
-V3_COLLECTIVES = frozenset({"CollectiveReduceV3", "CollectiveAllToAllV3"})
-NCCL_COLLECTIVES = frozenset({"NcclAllReduce", "NcclReduce", "NcclBroadcast",
-                              "_NcclReduceSend", "_NcclReduceRecv",
-                              "_NcclBroadcastSend", "_NcclBroadcastRecv"})
-HOROVOD_COLLECTIVES = frozenset({
-    "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather",
-    "HorovodBroadcast", "HorovodAlltoall", "HorovodReducescatter",
-    "HorovodGroupedReducescatter"})
-MULTI_PAYLOAD_OPS = frozenset({"HorovodGroupedAllreduce",
-                               "HorovodGroupedReducescatter", "NcclReduce"})
-NO_PAYLOAD_OPS = frozenset({"CollectiveBcastRecv", "CollectiveBcastRecvV2",
-                            "_NcclBroadcastRecv", "_NcclReduceRecv"})
-COLLECTIVE_OPS = (V1_COLLECTIVES | frozenset(V2_COLLECTIVE_INPUTS) | V3_COLLECTIVES
-                  | NCCL_COLLECTIVES | HOROVOD_COLLECTIVES)
 
 Shape = list  # list of dims, None for an unknown dim
 
@@ -493,15 +483,31 @@ def added_removed(dump: PassDump, previous: PassDump | None) -> tuple[list, list
             _names_in_order(previous.graph_def, before - after), "computed")
 
 
+def _notes(dump: PassDump) -> list[str]:
+    """The pass's notes from its summary (each a string; [] when there are none)."""
+    notes = dump.summary.get("notes")
+    return [str(note) for note in notes] if isinstance(notes, list) else []
+
+
 def pass_report(dump: PassDump, previous: PassDump | None,
                 limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
-    """Return the JSON-ready report of one pass (what `epl-dump DIR` prints)."""
+    """Return the JSON-ready report of one pass (what `epl-dump DIR` prints).
+
+    A pass that left the graph unchanged (`PassDump.unchanged`) gets a short
+    report (no counts; its graph is not loaded): "unchanged" and "same_as",
+    the label of the pass whose graph it shares.
+    """
+    base = {"index": dump.index, "pass": dump.pass_name,
+            "duration_s": dump.summary.get("duration_s"),
+            "passes_before": dump.summary.get("passes_before"),
+            "notes": _notes(dump)}
+    if dump.unchanged:
+        return {**base, "unchanged": True, "num_ops": dump.num_ops,
+                "same_as": previous.label if previous is not None else None}
     added, removed, source = added_removed(dump, previous)
     counts = op_counts(dump.graph_def)
     return {
-        "index": dump.index, "pass": dump.pass_name,
-        "duration_s": dump.summary.get("duration_s"),
-        "passes_before": dump.summary.get("passes_before"),
+        **base, "unchanged": False,
         "num_ops": len(dump.graph_def.node),
         "by_device": counts["device"], "by_taskgraph": counts["taskgraph"],
         "by_phase": counts["phase"], "by_replica": counts["replica"],
@@ -512,10 +518,24 @@ def pass_report(dump: PassDump, previous: PassDump | None,
     }
 
 
+def _format_notes(notes: list[str]) -> list[str]:
+    """Lines "  note: ..." (continuation lines of a multi-line note indented)."""
+    lines = []
+    for note in notes:
+        first, *rest = note.splitlines() or [""]
+        lines.append(f"  note: {first}")
+        lines.extend(f"        {line}" for line in rest)
+    return lines
+
+
 def format_pass_report(report: dict[str, Any]) -> list[str]:
     """Return the text lines of one pass report."""
-    lines = [f"[{report['index']:03d}] {report['pass']}  duration "
-             f"{format_duration(report['duration_s'])}  ops {report['num_ops']}",
+    head = (f"[{report['index']:03d}] {report['pass']}  duration "
+            f"{format_duration(report['duration_s'])}  ops {report['num_ops']}")
+    if report.get("unchanged"):
+        same = f" (same graph as {report['same_as']})" if report.get("same_as") else ""
+        return [f"{head}  unchanged{same}"] + _format_notes(report.get("notes", []))
+    lines = [head,
              f"  by device:    {format_counts(report['by_device'])}",
              f"  by taskgraph: {format_counts(report['by_taskgraph'])}",
              f"  by phase:     {format_counts(report['by_phase'])}"]
@@ -524,6 +544,7 @@ def format_pass_report(report: dict[str, Any]) -> list[str]:
             lines.append(f"  {label} {format_counts(report[key])}")
     lines.append("  " + format_name_sample("added", report["added"]))
     lines.append("  " + format_name_sample("removed", report["removed"]))
+    lines.extend(_format_notes(report.get("notes", [])))
     collectives = [Collective(**c) for c in report["collectives"]]
     lines.append(f"  collectives {len(collectives)}" + (":" if collectives else ""))
     lines.extend(format_table(collective_rows(collectives)))
@@ -531,16 +552,24 @@ def format_pass_report(report: dict[str, Any]) -> list[str]:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    """Print the report of every pass (or of the passes named by --pass)."""
-    dumps = read_dump(args.dump_dir)
+    """Print the report of every pass (or of the passes named by --pass).
+
+    Only the graphs of the passes reported are loaded (and the previous
+    pass's when a summary lacks its added/removed lists).
+    """
+    dump_dir = resolve_dump_dir(args.dump_dir, args.rank)
+    dumps = read_dump(dump_dir)
     selected = {select_pass(dumps, key).index for key in args.passes or []}
     reports = [pass_report(dump, dumps[i - 1] if i else None, args.limit)
                for i, dump in enumerate(dumps)
                if not selected or dump.index in selected]
     if args.json:
-        print(json.dumps({"dump_dir": args.dump_dir, "passes": reports}, indent=2))
+        print(json.dumps({"dump_dir": dump_dir, "passes": reports}, indent=2))
         return 0
-    print(f"EPL dump {args.dump_dir} ({len(dumps)} passes)")
+    ranks = rank_dirs(args.dump_dir)
+    note = f"; ranks {', '.join(map(str, ranks))}, --rank R for another" \
+        if ranks and args.rank is None else ""
+    print(f"EPL dump {dump_dir} ({len(dumps)} passes{note})")
     for report in reports:
         print("\n".join(format_pass_report(report)))
     return 0
@@ -559,6 +588,27 @@ def _short_attr(value: attr_value_pb2.AttrValue | None, width: int = 60) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+def input_changes(before: list[str], after: list[str]) -> list[str]:
+    """The inputs that differ: "input 1: a -> b" per data input, "control +^x -^y".
+
+    Data inputs are compared by position ("(none)" where one side has fewer);
+    control inputs as sets.
+    """
+    data_a = [name for name in before if not name.startswith("^")]
+    data_b = [name for name in after if not name.startswith("^")]
+    changes = [f"input {i}: {data_a[i] if i < len(data_a) else '(none)'} -> "
+               f"{data_b[i] if i < len(data_b) else '(none)'}"
+               for i in range(max(len(data_a), len(data_b)))
+               if i >= len(data_a) or i >= len(data_b) or data_a[i] != data_b[i]]
+    control_a = {name for name in before if name.startswith("^")}
+    control_b = {name for name in after if name.startswith("^")}
+    moved = [f"+{name}" for name in after if name in control_b - control_a] + \
+        [f"-{name}" for name in before if name in control_a - control_b]
+    if moved:
+        changes.append("control " + " ".join(moved))
+    return changes
+
+
 def node_changes(before: node_def_pb2.NodeDef, after: node_def_pb2.NodeDef) -> list[str]:
     """Return human-readable differences between two versions of one op."""
     changes = []
@@ -567,7 +617,7 @@ def node_changes(before: node_def_pb2.NodeDef, after: node_def_pb2.NodeDef) -> l
     if before.device != after.device:
         changes.append(f"device {device_of(before)} -> {device_of(after)}")
     if list(before.input) != list(after.input):
-        changes.append(f"inputs [{', '.join(before.input)}] -> [{', '.join(after.input)}]")
+        changes.extend(input_changes(list(before.input), list(after.input)))
     keys = sorted((set(before.attr) | set(after.attr)) - {"_output_shapes"})
     for key in keys:
         old = before.attr[key] if key in before.attr else None
@@ -647,9 +697,9 @@ def format_diff(diff: dict[str, Any], name_a: str, name_b: str) -> list[str]:
 
 def run_diff(args: argparse.Namespace) -> int:
     """Print the difference between graphs A and B."""
-    dumps = read_dump(args.dump_dir) if args.dump_dir else None
-    name_a, graph_a = resolve_graph(args.a, args.dump_dir, dumps)
-    name_b, graph_b = resolve_graph(args.b, args.dump_dir, dumps)
+    dumps = read_dump(resolve_dump_dir(args.dump_dir, args.rank)) if args.dump_dir else None
+    name_a, graph_a = resolve_graph(args.a, args.dump_dir, dumps, args.rank)
+    name_b, graph_b = resolve_graph(args.b, args.dump_dir, dumps, args.rank)
     diff = graph_diff(graph_a, graph_b, args.limit)
     if args.json:
         print(json.dumps({"a": name_a, "b": name_b, **diff}, indent=2))
@@ -735,7 +785,7 @@ def _dot_edges(nodes: list[node_def_pb2.NodeDef], ids: dict[str, str]) -> list[s
 
 def run_dot(args: argparse.Namespace) -> int:
     """Write the DOT file of one graph."""
-    name, graph_def = resolve_graph(args.graph, args.dump_dir)
+    name, graph_def = resolve_graph(args.graph, args.dump_dir, rank=args.rank)
     text = graph_to_dot(graph_def, name, args.max_ops)
     if args.output in (None, "-"):
         sys.stdout.write(text)
@@ -782,9 +832,9 @@ def run_tensorboard(args: argparse.Namespace) -> int:
         dump_dir, args.graph = args.graph, None
     if dump_dir is not None and args.graph is None:
         targets = [(dump.label, dump.graph_def, os.path.join(args.logdir, dump.label))
-                   for dump in read_dump(dump_dir)]
+                   for dump in read_dump(resolve_dump_dir(dump_dir, args.rank))]
     else:
-        name, graph_def = resolve_graph(args.graph, dump_dir)
+        name, graph_def = resolve_graph(args.graph, dump_dir, rank=args.rank)
         targets = [(name, graph_def, args.logdir)]
     for name, graph_def, logdir in targets:
         files = write_tensorboard(graph_def, logdir)
@@ -799,7 +849,8 @@ def run_tensorboard(args: argparse.Namespace) -> int:
 
 
 def resolve_graph(spec: str | None, dump_dir: str | None,
-                  dumps: list[PassDump] | None = None) -> tuple[str, graph_pb2.GraphDef]:
+                  dumps: list[PassDump] | None = None,
+                  rank: int | None = None) -> tuple[str, graph_pb2.GraphDef]:
     """Return (display name, GraphDef) for a graph argument.
 
     With `dump_dir`, `spec` is a pass name or index (None: the last pass).
@@ -809,7 +860,7 @@ def resolve_graph(spec: str | None, dump_dir: str | None,
     if dump_dir is None and spec is not None and os.path.isdir(spec):
         dump_dir, spec = spec, None
     if dump_dir is not None:
-        dumps = dumps if dumps is not None else read_dump(dump_dir)
+        dumps = dumps if dumps is not None else read_dump(resolve_dump_dir(dump_dir, rank))
         if not dumps:
             raise DumpError(f"dump directory {dump_dir!r} lists no passes")
         dump = select_pass(dumps, spec) if spec is not None else dumps[-1]
@@ -862,6 +913,10 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (diff, dot, board):
         sub.add_argument("--dir", dest="dump_dir", metavar="DIR",
                          help="dump directory holding the passes named")
+    for sub in (show, diff, dot, board):
+        sub.add_argument("--rank", type=int, metavar="R",
+                         help="with a multi-worker dump (DIR/rank_<r>): this worker's passes"
+                         " (default: rank 0)")
     return parser
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
@@ -164,8 +165,12 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         _check_gradients(self, result, feed_dict)
     if plan.gather:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather))
+    if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
+        options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
     values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
                                                       run_metadata))
+    if result.tracer is not None:
+        result.tracer.after_run(run_metadata)
     if plan.sync:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
     return values
@@ -196,8 +201,8 @@ def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:
     from epl.ir.recompute import compare_gradients
     reference, checkpointed = result.gradient_check
     result.gradient_check_max_diff = compare_gradients(session, reference, checkpointed, feed_dict)
-    tf.compat.v1.logging.warning(
-        "EPL gradient_checkpoint.check_gradients: largest absolute difference between the "
+    logging.getLogger(__name__).warning(
+        "gradient_checkpoint.check_gradients: largest absolute difference between the "
         "gradients with and without checkpointing on the first step: %.3g",
         result.gradient_check_max_diff)
 

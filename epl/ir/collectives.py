@@ -1,0 +1,63 @@
+"""Collective ops recognised by type, and the bytes they move.
+
+One list of op types shared by the parallel-graph summary (`epl.summary`),
+the trace (`epl.runtime.trace`) and `epl-dump`: TensorFlow's collective ops
+(V1, V2, V3), NCCL's and Horovod's. A collective is recognised by its op
+type only, never by its name.
+
+Payload: the tensors a collective sends, i.e. its data inputs that are not
+group/instance keys or sizes: input 0, or every input for the grouped ops
+(`HorovodGroupedAllreduce`, `NcclReduce`); a receive (`CollectiveBcastRecv*`)
+sends nothing. Bytes are counted only for fully static shapes.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+V1_COLLECTIVES = frozenset({"CollectiveReduce", "CollectiveGather",
+                            "CollectiveBcastSend", "CollectiveBcastRecv"})
+# Op type -> input positions of (group_size, group_key, instance_key).
+V2_COLLECTIVE_INPUTS = {
+    "CollectiveReduceV2": (1, 2, 3), "CollectiveGatherV2": (1, 2, 3),
+    "CollectiveBcastSendV2": (1, 2, 3), "CollectiveBcastRecvV2": (0, 1, 2),
+    "CollectiveAllToAllV2": (1, 2, 3), "CollectiveReduceScatterV2": (1, 2, 3),
+}
+V3_COLLECTIVES = frozenset({"CollectiveReduceV3", "CollectiveAllToAllV3"})
+NCCL_COLLECTIVES = frozenset({"NcclAllReduce", "NcclReduce", "NcclBroadcast",
+                              "_NcclReduceSend", "_NcclReduceRecv",
+                              "_NcclBroadcastSend", "_NcclBroadcastRecv"})
+HOROVOD_COLLECTIVES = frozenset({
+    "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather",
+    "HorovodBroadcast", "HorovodAlltoall", "HorovodReducescatter",
+    "HorovodGroupedReducescatter"})
+MULTI_PAYLOAD_OPS = frozenset({"HorovodGroupedAllreduce",
+                               "HorovodGroupedReducescatter", "NcclReduce"})
+NO_PAYLOAD_OPS = frozenset({"CollectiveBcastRecv", "CollectiveBcastRecvV2",
+                            "_NcclBroadcastRecv", "_NcclReduceRecv"})
+COLLECTIVE_OPS = (V1_COLLECTIVES | frozenset(V2_COLLECTIVE_INPUTS) | V3_COLLECTIVES
+                  | NCCL_COLLECTIVES | HOROVOD_COLLECTIVES)
+
+
+def is_collective(op: tf.Operation) -> bool:
+    """True if `op` is a collective (by op type)."""
+    return op.type in COLLECTIVE_OPS
+
+
+def payload_tensors(op: tf.Operation) -> list[tf.Tensor]:
+    """The tensors collective `op` sends (see the module doc)."""
+    if op.type in NO_PAYLOAD_OPS or not op.inputs:
+        return []
+    if op.type in MULTI_PAYLOAD_OPS:
+        return list(op.inputs)
+    return [op.inputs[0]]
+
+
+def payload_bytes(op: tf.Operation) -> int | None:
+    """Bytes collective `op` sends per run, or None when a shape is not static."""
+    total = 0
+    for tensor in payload_tensors(op):
+        count = tensor.shape.num_elements()
+        if count is None or tensor.dtype in (tf.string, tf.resource, tf.variant):
+            return None
+        total += count * tensor.dtype.size
+    return total
