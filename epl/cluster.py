@@ -83,6 +83,25 @@ def _gpu_count() -> int:
         return 0
 
 
+def use_logical_gpus(count: int, memory_limit_mb: int) -> None:
+    """Split the first physical GPU into `count` logical GPUs of `memory_limit_mb`.
+
+    Call it before TensorFlow initializes its devices (TensorFlow raises
+    RuntimeError after). EPL then drives them as `count` local GPU devices,
+    with collectives over TensorFlow's ring (NCCL refuses a GPU twice; see
+    `epl.runtime.communicators.local_communication_hint`): how a machine with
+    one GPU stands for several, as virtual CPU devices do on a CPU.
+    Raises ClusterError when TensorFlow sees no GPU.
+    """
+    from epl.errors import ClusterError
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise ClusterError("use_logical_gpus: TensorFlow sees no GPU to split")
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)
+                  for _ in range(count)])
+
+
 def _horovod_rank_size() -> tuple[int, int]:
     """Rank and size when launched by horovodrun (or epl-launch), else (0, 1)."""
     if os.environ.get("HOROVOD_RANK") is None and os.environ.get("OMPI_COMM_WORLD_RANK") is None:
