@@ -33,6 +33,10 @@
 #     TensorFlow 2.21 no longer exports (the library would fail to load with an
 #     undefined symbol); we define it from TensorFlow's public
 #     Stream::platform_specific_handle().
+#   Checked without a GPU (nvcc 13.0, nvidia-nccl-cu12 2.32.3, sm_90): it compiles
+#   and links; the library's RUNPATH holds $ORIGIN/../../nvidia/nccl/lib; every
+#   symbol it needs is defined by the tensorflow 2.21.0 (CUDA) wheel's libraries,
+#   libnccl.so.2 or the C/C++ runtime. It has not been loaded on a GPU yet.
 #
 # The built wheel is cached under $EPL_WHEEL_CACHE (default ~/.cache/epl/wheels)
 # in a folder named by the TensorFlow version, the Python tag and, for gpu, the
