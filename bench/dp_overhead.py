@@ -43,6 +43,13 @@ for the first model (the MLP); a line per model precedes it.
     python bench/dp_overhead.py                   # MLP + transformer, 8 reps x 25 steps
     python bench/dp_overhead.py --plain --profile # + single-device reference, traced steps
     python bench/dp_overhead.py --quick           # tiny MLP, few steps (smoke test)
+    python bench/dp_overhead.py --device gpu      # on the GPUs (make gpu-check)
+
+With `--device gpu` both sides run on this machine's GPUs instead: all of
+them where there are two or more (EPL's local collectives and
+MirroredStrategy's all-reduce both use NCCL), or one GPU split into 2 logical
+GPUs (`epl.cluster.use_logical_gpus`; EPL's collectives then use TensorFlow's
+ring and MirroredStrategy reduces to one device, NCCL refusing a GPU twice).
 """
 from __future__ import annotations
 
@@ -60,7 +67,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TARGET = 1.0
 RESULT_TAG = "DP_RESULT "
 READY_TAG = "DP_READY "
-NUM_DEVICES = 2
+NUM_DEVICES = 2                 # virtual CPU devices, or logical GPUs on a one-GPU machine
+LOGICAL_GPU_MEMORY_MB = 8192    # each logical GPU's share with --device gpu on one GPU
 MODELS = ("mlp", "transformer")
 
 
@@ -88,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="also trace EPL and plain steps (RunMetadata) and summarize them")
     parser.add_argument("--quick", action="store_true", help="tiny MLP, few steps (smoke test)")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="virtual CPU devices (default) or this machine's GPUs")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.steps, args.reps, args.warmup, args.burst_warmup = ["mlp"], 5, 1, 2, 0
@@ -160,14 +170,19 @@ class V1Runner(Runner):
         self.info = {"num_replicas": 1}
         if use_epl:
             result = epl.parallelize(graph)
-            if result.plan.num_replicas != NUM_DEVICES:
+            expected = len(device_names(args)) if args.device == "gpu" else NUM_DEVICES
+            if result.plan.num_replicas != expected:
                 raise AssertionError(
-                    f"EPL plan has {result.plan.num_replicas} replicas, expected {NUM_DEVICES}")
+                    f"EPL plan has {result.plan.num_replicas} replicas, expected {expected}")
             self.info = {"num_replicas": result.plan.num_replicas,
                          "devices": sorted({d for ds in result.plan.devices.values() for d in ds})}
         self.info["graph_ops"] = len(graph.get_operations())
-        config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=args.intra,
-                                          inter_op_parallelism_threads=args.inter)
+        config = tf.compat.v1.ConfigProto()
+        if args.device == "gpu":  # TensorFlow's default config: it holds the logical GPUs
+            from tensorflow.python.eager import context
+            config.CopyFrom(context.context().config)
+        config.intra_op_parallelism_threads = args.intra
+        config.inter_op_parallelism_threads = args.inter
         self.session = tf.compat.v1.Session(graph=graph, config=config)
         self.session.run(init)
         self.fetches = [train_op, loss]
@@ -200,21 +215,42 @@ class V1Runner(Runner):
                 "traced_wall_ms": 1e3 * min(walls)}
 
 
-def make_mirrored_strategy(args):
-    """2 logical CPU devices and a MirroredStrategy over them (before any other TF use)."""
+def configure_devices(args) -> None:
+    """Before any other TF use: 2 logical CPU devices (the mirrored side; the epl side
+    asks for virtual CPU devices through its config), or with --device gpu, 2 logical
+    GPUs where there is one GPU (both sides)."""
     import tensorflow as tf
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_DEVICES)])
+    if args.device == "gpu":
+        if len(tf.config.list_physical_devices("GPU")) == 1:
+            from epl.cluster import use_logical_gpus
+            use_logical_gpus(NUM_DEVICES, LOGICAL_GPU_MEMORY_MB)
+    elif args.side == "mirrored":
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_DEVICES)])
+
+
+def device_names(args) -> list[str]:
+    """The devices both sides train on (after configure_devices; on CPU the
+    mirrored side's logical devices, the epl side's come from its session)."""
+    import tensorflow as tf
+    if args.device == "gpu":
+        return [d.name for d in tf.config.list_logical_devices("GPU")]
+    return [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_DEVICES]
+
+
+def make_mirrored_strategy(args):
+    """A MirroredStrategy over the devices (configure_devices ran first)."""
+    import tensorflow as tf
     if args.intra:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra)
     if args.inter:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter)
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_DEVICES]
+    devices = device_names(args)
     strategy = tf.distribute.MirroredStrategy(devices)
-    if strategy.num_replicas_in_sync != NUM_DEVICES:
+    if strategy.num_replicas_in_sync != len(devices):
         raise AssertionError(f"MirroredStrategy has {strategy.num_replicas_in_sync} replicas, "
-                             f"expected {NUM_DEVICES}")
+                             f"expected {len(devices)}")
     return strategy
 
 
@@ -274,6 +310,7 @@ class MirroredRunner(Runner):
 def make_runners(args) -> dict:
     """Build every model of args.models on args.side; return {model: Runner}."""
     from common import model_fns
+    configure_devices(args)
     strategy = make_mirrored_strategy(args) if args.side == "mirrored" else None
     if args.side == "epl":
         import epl
@@ -328,7 +365,8 @@ class Side:
                     "--models", *args.models, "--warmup", str(args.warmup),
                     "--mlp-batch", str(args.mlp_batch),
                     "--transformer-batch", str(args.transformer_batch),
-                    "--intra", str(args.intra), "--inter", str(args.inter)]
+                    "--intra", str(args.intra), "--inter", str(args.inter),
+                    "--device", args.device]
         if args.quick:
             self.cmd.append("--quick")
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
@@ -431,7 +469,9 @@ def main(argv=None) -> dict:
             side.close()
 
     import tensorflow as tf
-    print(f"dp_overhead: {NUM_DEVICES} virtual CPU devices, Adam, sides alternating over "
+    where = (f"{len(sides['epl'].info[args.models[0]]['devices'])} GPU devices"
+             if args.device == "gpu" else f"{NUM_DEVICES} virtual CPU devices")
+    print(f"dp_overhead: {where}, Adam, sides alternating over "
           f"{args.reps} rep(s) of {args.steps} timed steps (after {args.warmup} warm-up); median "
           f"over reps of each rep's median; TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores")
     ratios, rows = {}, []

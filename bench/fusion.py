@@ -12,6 +12,8 @@ EPL's own buckets; the Horovod side keeps its default runtime fusion.
 Each worker times N steps after warm-up; rank 0 reports the median step time.
 
     python bench/fusion.py [--steps 60] [--repeats 3] [--vars 200]
+    python bench/fusion.py --gpu   # one GPU per worker (CUDA_VISIBLE_DEVICES from the
+                                   # local rank): Horovod all-reduces GPU tensors with NCCL
 Prints: fusion: EPL fused / unfused = X (target <= 0.6); EPL fused / Horovod = Y (target <= 1.0)
 """
 import argparse
@@ -28,8 +30,11 @@ import numpy as np
 SIDES = ("epl_fused", "epl_unfused", "horovod")
 
 
-def worker(side: str, steps: int, num_vars: int, out: str) -> None:
-    """One worker of one side: build, warm up, time `steps` steps."""
+def worker(side: str, steps: int, num_vars: int, out: str, gpu: bool = False) -> None:
+    """One worker of one side: build, warm up, time `steps` steps (on the GPU of its
+    local rank with `gpu`)."""
+    if gpu:  # before TensorFlow starts: this worker sees only its own GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HOROVOD_LOCAL_RANK"]
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
     rng = np.random.RandomState(0)
@@ -76,13 +81,13 @@ def worker(side: str, steps: int, num_vars: int, out: str) -> None:
             json.dump({"median_s": statistics.median(times)}, f)
 
 
-def run_side(side: str, steps: int, num_vars: int) -> float:
+def run_side(side: str, steps: int, num_vars: int, gpu: bool = False) -> float:
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         command = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
                    os.path.abspath(__file__), "--worker", side, "--steps", str(steps),
-                   "--vars", str(num_vars), "--out", out]
+                   "--vars", str(num_vars), "--out", out] + (["--gpu"] if gpu else [])
         env = dict(os.environ)
         if side.startswith("epl"):
             env["HOROVOD_FUSION_THRESHOLD"] = "0"
@@ -99,24 +104,28 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vars", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="tiny settings (smoke test)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="one GPU per worker (needs 2 GPUs; Horovod uses NCCL)")
     parser.add_argument("--worker", choices=SIDES)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps, args.vars, args.out)
+        worker(args.worker, args.steps, args.vars, args.out, args.gpu)
         return 0
     if args.quick:
         args.steps, args.repeats, args.vars = 5, 1, 20
     results = {side: [] for side in SIDES}
     for _ in range(args.repeats):  # interleave sides so machine noise hits all alike
         for side in SIDES:
-            results[side].append(run_side(side, args.steps, args.vars))
+            results[side].append(run_side(side, args.steps, args.vars, args.gpu))
     medians = {side: statistics.median(v) for side, v in results.items()}
     for side in SIDES:
         print(f"{side:12s} median step {medians[side] * 1e3:8.2f} ms  (runs: "
               f"{', '.join(f'{t * 1e3:.2f}' for t in results[side])})")
     fused_vs_unfused = medians["epl_fused"] / medians["epl_unfused"]
     fused_vs_horovod = medians["epl_fused"] / medians["horovod"]
+    print("workers: 2, one GPU each (Horovod over NCCL)" if args.gpu
+          else "workers: 2 on CPU (Horovod over Gloo)")
     print(f"fusion: EPL fused / EPL unfused = {fused_vs_unfused:.2f} (target <= 0.6); "
           f"EPL fused / Horovod DistributedOptimizer = {fused_vs_horovod:.2f} (target <= 1.0)")
     return 0

@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +49,57 @@ class Cluster:
         """Return a copy of `base` that creates this worker's devices.
 
         On a CPU-only worker it asks for `num_local_devices` virtual CPU devices;
-        soft placement is left as the user set it.
+        soft placement is left as the user set it. On a GPU worker without a
+        `base`, it starts from what tf.compat.v1.Session uses without a config:
+        the eager context's, which holds tf.config's logical GPUs and memory
+        growth.
         """
         config = tf.compat.v1.ConfigProto()
         if base is not None:
             config.CopyFrom(base)
+        elif self.device_type == "GPU":
+            config.CopyFrom(context.context().config)
         if self.device_type == "CPU" and config.device_count.get("CPU", 1) < self.num_local_devices:
             config.device_count["CPU"] = self.num_local_devices
         return config
 
 
-def _gpu_count() -> int:
+def physical_gpu_count() -> int:
+    """The physical GPUs TensorFlow sees (0 without a GPU runtime)."""
     try:
         return len(tf.config.list_physical_devices("GPU"))
     except Exception:  # pragma: no cover - no GPU runtime at all
         return 0
+
+
+def _gpu_count() -> int:
+    """The GPU devices this worker drives: one per physical GPU, or one per
+    logical GPU where `tf.config.set_logical_device_configuration` splits a
+    physical one (read without initializing the runtime)."""
+    try:
+        return sum(len(tf.config.get_logical_device_configuration(gpu) or [gpu])
+                   for gpu in tf.config.list_physical_devices("GPU"))
+    except Exception:  # pragma: no cover - no GPU runtime at all
+        return 0
+
+
+def use_logical_gpus(count: int, memory_limit_mb: int) -> None:
+    """Split the first physical GPU into `count` logical GPUs of `memory_limit_mb`.
+
+    Call it before TensorFlow initializes its devices (TensorFlow raises
+    RuntimeError after). EPL then drives them as `count` local GPU devices,
+    with collectives over TensorFlow's ring (NCCL refuses a GPU twice; see
+    `epl.runtime.communicators.local_communication_hint`): how a machine with
+    one GPU stands for several, as virtual CPU devices do on a CPU.
+    Raises ClusterError when TensorFlow sees no GPU.
+    """
+    from epl.errors import ClusterError
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise ClusterError("use_logical_gpus: TensorFlow sees no GPU to split")
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)
+                  for _ in range(count)])
 
 
 def _horovod_rank_size() -> tuple[int, int]:

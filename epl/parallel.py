@@ -18,7 +18,7 @@ import time
 
 import tensorflow as tf
 
-from epl.cluster import Cluster, local_cluster
+from epl.cluster import Cluster, local_cluster, physical_gpu_count
 from epl.env import get_config
 from epl.errors import ParallelizeError
 from epl.ir.graph_view import TrainingView, analyze
@@ -26,7 +26,8 @@ from epl.ir.taskgraph import graph_state
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_plan
 from epl.planner.planner import local_profiles, local_replica_weights
-from epl.runtime.communicators import HierarchicalCommunicator, LocalCommunicator
+from epl.runtime.communicators import (HierarchicalCommunicator, LocalCommunicator,
+                                       local_communication_hint)
 from epl.strategies import EAGER_HINT
 from graph_passes.amp import AmpPass
 from graph_passes.annotate import AnnotatePass
@@ -85,7 +86,10 @@ class ParallelGraph:
 
 def make_communicator(cluster: Cluster, config) -> HierarchicalCommunicator:
     """Local collectives, plus Horovod when this worker is one of several."""
-    local = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")))
+    hint = local_communication_hint(cluster.device_type, cluster.num_local_devices,
+                                    physical_gpu_count() if cluster.device_type == "GPU" else 0)
+    local = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")),
+                              communication_hint=hint)
     cross = None
     if cluster.num_workers > 1:
         from epl.runtime.horovod_comm import HorovodCommunicator

@@ -90,6 +90,8 @@ NVLINK2_V100 = 150 * GB
 NVLINK3_A100 = 300 * GB
 #: NVLink 4 on H100/H200 SXM: 900 GB/s total, 450 GB/s per direction.
 NVLINK4_H100 = 450 * GB
+#: NVLink bridge of H100 PCIe and H100 NVL cards: 600 GB/s, 300 per direction.
+NVLINK4_BRIDGE_H100 = 300 * GB
 
 #: The dtype keys every built-in profile provides.
 STANDARD_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -289,12 +291,28 @@ _A10 = {"float32": 31.2, "tensorfloat32": 62.5, "float16": 125.0,
 # or 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s.
 _A100 = {"float32": 19.5, "tensorfloat32": 156.0, "float16": 312.0,
          "bfloat16": 312.0, "float64": 9.7}
-# NVIDIA H100 SXM5 datasheet: 67 TFLOPS FP32, 989 TFLOPS BF16/FP16 and 494.5
-# TFLOPS TF32 tensor (dense; the datasheet's 1,979 and 989 are with
-# sparsity), 34 TFLOPS FP64; 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s.
-# NVIDIA H200 SXM datasheet: the same compute, 141 GB HBM3e at 4.8 TB/s.
+# Hopper figures are NVIDIA's datasheets' with sparsity halved (the
+# datasheets mark the tensor-core figures "with sparsity"):
+# - NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100,
+#   columns "H100 SXM" and "H100 NVL"): SXM 34 TFLOPS FP64, 67 FP32, 989 TF32
+#   and 1,979 BF16/FP16 tensor, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s;
+#   NVL 30 FP64, 60 FP32, 835 TF32 and 1,671 BF16/FP16 tensor, 94 GB HBM3 at
+#   3.9 TB/s, NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s.
+# - NVIDIA H100 PCIe product brief PB-11133-001_v02 (November 2022): 26
+#   TFLOPS FP64, 51 FP32, 756 TF32 and 1,513 BF16/FP16 tensor, 80 GB HBM2e at
+#   2 TB/s, NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s.
+# - NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200,
+#   columns "H200 SXM" and "H200 NVL"): the H100's compute (SXM: 67 FP32 ...;
+#   NVL: 60 FP32, 835 TF32, 1,671 BF16/FP16), 141 GB HBM3e at 4.8 TB/s; SXM
+#   NVLink 900 GB/s, NVL NVLink bridge 900 GB/s per GPU.
+# NVL and PCIe cards talk over the NVLink bridge only within their bridged
+# pair (or four); the profiles use the bridge rate.
 _H100 = {"float32": 67.0, "tensorfloat32": 494.5, "float16": 989.5,
          "bfloat16": 989.5, "float64": 34.0}
+_H100_NVL = {"float32": 60.0, "tensorfloat32": 417.5, "float16": 835.5,
+             "bfloat16": 835.5, "float64": 30.0}
+_H100_PCIE = {"float32": 51.0, "tensorfloat32": 378.0, "float16": 756.5,
+              "bfloat16": 756.5, "float64": 26.0}
 
 _TABLE: dict[str, DeviceProfile] = {p.name: p for p in (
     _gpu("P100-16GB", _P100, 16, 732, PCIE3_X16),
@@ -305,7 +323,10 @@ _TABLE: dict[str, DeviceProfile] = {p.name: p for p in (
     _gpu("A100-40GB", _A100, 40, 1555, NVLINK3_A100),
     _gpu("A100-80GB", _A100, 80, 2039, NVLINK3_A100),
     _gpu("H100-80GB", _H100, 80, 3350, NVLINK4_H100),
+    _gpu("H100-PCIe", _H100_PCIE, 80, 2000, NVLINK4_BRIDGE_H100),
+    _gpu("H100-NVL", _H100_NVL, 94, 3900, NVLINK4_BRIDGE_H100),
     _gpu("H200-141GB", _H100, 141, 4800, NVLINK4_H100),
+    _gpu("H200-NVL", _H100_NVL, 141, 4800, NVLINK4_H100),
 )}
 
 CPU_PROFILE_NAME = "CPU"
@@ -640,16 +661,25 @@ def get_profile(name: str,
 # --------------------------------------------------------------------------
 
 # (pattern over the upper-cased GPU model name, profile); first match wins.
+# The model names are those TensorFlow's device details and nvidia-smi give,
+# e.g. "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3" (SXM),
+# "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", "NVIDIA A10G",
+# "Tesla V100-SXM2-32GB", "Tesla T4", "Tesla P100-PCIE-16GB".  Word
+# boundaries keep other models out: "NVIDIA GH200 480GB" (Grace Hopper),
+# "NVIDIA RTX A1000", "NVIDIA T400" match nothing and are reported as unknown.
 _GPU_PATTERNS = (
-    (r"H200", "H200-141GB"),
-    (r"H100", "H100-80GB"),
-    (r"A100.*80\s*G", "A100-80GB"),
-    (r"A100", "A100-40GB"),
-    (r"A10(?!\d)", "A10"),
-    (r"T4(?!\d)", "T4"),
-    (r"V100.*32\s*G", "V100-32GB"),
-    (r"V100", "V100-16GB"),
-    (r"P100", "P100-16GB"),
+    (r"\bH200\b.*\bNVL\b", "H200-NVL"),
+    (r"\bH200\b", "H200-141GB"),
+    (r"\bH100\b.*\bNVL\b", "H100-NVL"),
+    (r"\bH100\b.*\bPCIE\b", "H100-PCIe"),
+    (r"\bH100\b", "H100-80GB"),
+    (r"\bA100\b.*\b80\s*GB?\b", "A100-80GB"),
+    (r"\bA100\b", "A100-40GB"),
+    (r"\bA10G?\b", "A10"),
+    (r"\bT4\b", "T4"),
+    (r"\bV100S?\b.*\b32\s*GB?\b", "V100-32GB"),
+    (r"\bV100S?\b", "V100-16GB"),
+    (r"\bP100\b", "P100-16GB"),
 )
 
 
@@ -668,6 +698,35 @@ def _gpu_model(description: str) -> str:
     return (match.group(1) if match else description).strip()
 
 
+def _stated_memory_gb(model: str) -> int | None:
+    """The memory size a model name states ("...-16GB", "80GB HBM3"), or None."""
+    sizes = re.findall(r"(?<![0-9])([0-9]+)\s*GB\b", model.upper())
+    return int(sizes[-1]) if sizes else None
+
+
+def gpu_profile_name(model: str) -> str:
+    """The built-in profile of the GPU model `model`, e.g. "NVIDIA H200".
+
+    Raises ClusterError saying why for a model no pattern covers, and for
+    one whose name states another memory size than the profile it matches
+    (a "Tesla P100-PCIE-12GB" is not a P100-16GB: planning it with 16 GiB
+    would overcommit its memory).
+    """
+    upper = model.upper()
+    for pattern, name in _GPU_PATTERNS:
+        if re.search(pattern, upper):
+            stated = _stated_memory_gb(model)
+            if stated is not None and stated != round(
+                    _TABLE[name].memory_bytes / GiB):
+                raise ClusterError(
+                    f"GPU model {model!r} states {stated} GB of memory, but "
+                    f"the profile its name matches, {name!r}, has "
+                    f"{_TABLE[name].memory_bytes / GiB:g} GiB")
+            return name
+    raise ClusterError(f"no built-in profile matches the GPU model "
+                       f"{model!r}")
+
+
 def detect_profile(device_name: str, physical_description: str = "",
                    overrides: Mapping[str, Any] | None = None
                    ) -> DeviceProfile:
@@ -678,18 +737,20 @@ def detect_profile(device_name: str, physical_description: str = "",
         physical_description: TensorFlow's physical_device_desc, e.g.
             "device: 0, name: Tesla V100-SXM2-32GB, pci bus id: 0000:00:04.0,
             compute capability: 7.0", or just a model name such as
-            "NVIDIA A100-SXM4-80GB".
+            "NVIDIA A100-SXM4-80GB" (what
+            tf.config.experimental.get_device_details gives as
+            "device_name").
         overrides: `cluster.device_profiles`; an entry whose name equals the
             device's model name (or the profile it maps to) wins.
 
     Returns:
         The profile: "CPU" for CPU devices, the matching table entry for a
-        known GPU model (H100 PCIe/NVL cards map to "H100-80GB" and A10G to
-        "A10", the nearest entries).
+        known GPU model (`gpu_profile_name`; an A10G maps to "A10", the
+        nearest entry).
 
     Raises:
         ClusterError: the device type or GPU model is not known; the message
-            says how to add a profile for it.
+            says why and how to add a profile for it.
     """
     kind = _device_type(device_name)
     if kind in ("CPU", "XLA_CPU"):
@@ -700,12 +761,16 @@ def detect_profile(device_name: str, physical_description: str = "",
     model = _gpu_model(physical_description)
     if model and _find_override(model, overrides):
         return get_profile(model, overrides)
-    for pattern, profile in _GPU_PATTERNS:
-        if re.search(pattern, model.upper()):
-            return get_profile(profile, overrides)
+    if not model:
+        why = "TensorFlow gave no model name for it"
+    else:
+        try:
+            return get_profile(gpu_profile_name(model), overrides)
+        except ClusterError as err:
+            why = str(err)
     raise ClusterError(
-        f"cannot tell which profile GPU {device_name!r} ({model!r}) has; "
-        f"known profiles: {known_profiles()}. To plan for it, "
+        f"cannot tell which profile GPU {device_name!r} ({model!r}) has: "
+        f"{why}; known profiles: {known_profiles()}. To plan for it, "
         f"{_how_to_add().replace('MyGPU', model or 'MyGPU')}")
 
 

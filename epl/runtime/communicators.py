@@ -10,10 +10,20 @@ locally, all-reduces the local result across workers through Horovod
 Passes never call TensorFlow collectives or Horovod directly: they ask a
 `Communicator` for an all-reduce among a group of tensors (one per device).
 `LocalCommunicator` implements it among the devices of one worker with
-TensorFlow's collective ops (CollectiveReduce; NCCL on GPU). Keys: every
-distinct device set gets a group key, every collective call a fresh instance
-key, both allocated per graph so that the same graph built twice gets the same
-keys (which is what makes collectives line up across processes).
+TensorFlow's collective ops (CollectiveReduce, CollectiveGather,
+CollectiveBcastSend/Recv). Keys: every distinct device set gets a group key,
+every collective call a fresh instance key, both allocated per graph so that
+the same graph built twice gets the same keys (which is what makes collectives
+line up across processes).
+
+Implementation (the ops' `communication_hint`, `local_communication_hint`):
+NCCL among distinct physical GPUs, TensorFlow's ring among logical GPUs that
+share a physical one (NCCL refuses two members on one GPU; TensorFlow's
+MirroredStrategy falls back the same way), TensorFlow's default ("auto") on
+CPU devices. The local NCCL collectives need no ordering of their own: in one
+process TensorFlow's NCCL manager launches a collective on every member's
+stream at once, when its last member arrives, so every device sees the same
+order.
 """
 from __future__ import annotations
 
@@ -85,12 +95,42 @@ class Communicator(abc.ABC):
         return outputs
 
 
-class LocalCommunicator(Communicator):
-    """Collectives among this worker's devices with TensorFlow collective ops."""
+#: The communication hints TensorFlow's collective ops accept.
+COMMUNICATION_HINTS = ("auto", "ring", "nccl")
 
-    def __init__(self, keys: KeyAllocator | None = None, timeout_s: float = 0.0):
+
+def local_communication_hint(device_type: str, num_local_devices: int,
+                             physical_gpus: int) -> str:
+    """The `communication_hint` of a worker's local collectives.
+
+    device_type: the worker's device type ("GPU" or "CPU");
+    num_local_devices: how many devices it drives (logical GPUs count one
+    each); physical_gpus: the physical GPUs it sees.
+
+    Returns "nccl" when the devices are distinct physical GPUs, "ring" when
+    they are logical GPUs sharing physical ones (more devices than physical
+    GPUs), "auto" (TensorFlow's choice) for CPU devices.
+    """
+    if device_type != "GPU":
+        return "auto"
+    return "nccl" if num_local_devices <= physical_gpus else "ring"
+
+
+class LocalCommunicator(Communicator):
+    """Collectives among this worker's devices with TensorFlow collective ops.
+
+    communication_hint: "auto", "ring" or "nccl" (`local_communication_hint`
+    chooses it for a cluster), given to every collective op.
+    """
+
+    def __init__(self, keys: KeyAllocator | None = None, timeout_s: float = 0.0,
+                 communication_hint: str = "auto"):
+        if communication_hint not in COMMUNICATION_HINTS:
+            raise ValueError(f"communication_hint must be one of {COMMUNICATION_HINTS}, "
+                             f"got {communication_hint!r}")
         self.keys = keys or KeyAllocator()
         self.timeout_s = timeout_s
+        self.communication_hint = communication_hint
 
     def all_reduce(self, tensors, devices, op="sum"):
         if len(tensors) == 1:
@@ -103,7 +143,7 @@ class LocalCommunicator(Communicator):
             with tf.device(device):
                 outputs.append(collective_ops.all_reduce(
                     tensor, len(devices), group_key, instance_key, "Add", final_op,
-                    timeout=self.timeout_s))
+                    communication_hint=self.communication_hint, timeout=self.timeout_s))
         return outputs
 
     def all_gather(self, tensors, devices):
@@ -115,7 +155,8 @@ class LocalCommunicator(Communicator):
         for tensor, device in zip(tensors, devices):
             with tf.device(device):
                 outputs.append(collective_ops.all_gather(
-                    tensor, len(devices), group_key, instance_key, timeout=self.timeout_s))
+                    tensor, len(devices), group_key, instance_key,
+                    communication_hint=self.communication_hint, timeout=self.timeout_s))
         return outputs
 
     def broadcast(self, tensor, devices):
@@ -127,12 +168,12 @@ class LocalCommunicator(Communicator):
         with tf.device(devices[0]):
             outputs.append(collective_ops.broadcast_send(
                 tensor, tensor.shape, tensor.dtype, len(devices), group_key, instance_key,
-                timeout=self.timeout_s))
+                communication_hint=self.communication_hint, timeout=self.timeout_s))
         for device in devices[1:]:
             with tf.device(device):
                 outputs.append(collective_ops.broadcast_recv(
                     tensor.shape, tensor.dtype, len(devices), group_key, instance_key,
-                    timeout=self.timeout_s))
+                    communication_hint=self.communication_hint, timeout=self.timeout_s))
         return outputs
 
 
