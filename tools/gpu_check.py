@@ -41,8 +41,9 @@ reversed (the same sums in another order); the error of a run against the
 reference is max over variables of max|a - b| / max|b|, and a check passes
 when EPL's error is at most 10 x max(noise floor, float32 epsilon). The
 reference is single-device training on the batches the replicas consumed,
-concatenated (`consumed_batch`; today EPL slices the global batch among the
-replicas, so that is the global batch).
+concatenated (`consumed_batch`: the batch is a constant, which under EPL's
+batch contract every replica and micro-batch reads whole, so the concatenation
+is copies of it, whose mean loss is the constant's own).
 
 Output: `gpu-check NAME: PASS|FAIL|SKIP (N s) details` per check, then
 `gpu-check: P passed, F failed, S skipped`. Exit status 0 when none failed.
@@ -122,8 +123,10 @@ def setup_devices(cpu_rehearsal: bool) -> dict:
 
 def consumed_batch(x, replicas: int):
     """The rows the replicas consumed in one step, concatenated: the batch the
-    single-device reference trains on. EPL slices the global batch among the
-    replicas, so that is `x` itself (one place to change if that changes)."""
+    single-device reference trains on. The checks feed a constant, which every
+    replica and micro-batch reads whole (io.batch_mode "replica"): the
+    concatenation is `replicas` copies of `x`, whose mean loss and gradients are
+    those of `x` itself (one place to change if the checks feed otherwise)."""
     del replicas
     return x
 
