@@ -5,10 +5,22 @@ each backward op points at its forward op through its colocation group, which
 is how it inherits the forward op's TaskGraph) and tags every op it creates
 with phase "backward". `apply_gradients` tags its ops with phase "apply". Both
 record the step (loss, gradients, train op) in the graph's GraphState.
+
+The user's own `tf.gradients` / `tf.compat.v1.gradients` (BERT's
+optimization.py, EPL's set_default_scope_test: gradients, clipping, then an
+optimizer whose apply_gradients is overridden with its own assign ops) is
+recorded too, colocated, as a candidate step: analysis
+(epl.ir.graph_view.derive_train_op) confirms it when its gradients feed
+variable updates and finds the op that runs them (the train op); otherwise
+(a gradient penalty inside the loss) it stays part of the forward pass.
+EPL's own autodiff (`internal_autodiff`) is never recorded.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import threading
 
 import tensorflow as tf
 
@@ -19,6 +31,18 @@ from epl.strategies import check_graph_mode
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _ORIGINAL = {}
+_AUTODIFF = threading.local()   # depth of EPL's own (or compute_gradients') autodiff
+
+
+@contextlib.contextmanager
+def internal_autodiff():
+    """Inside: tf.gradients calls are EPL's (or an optimizer's), not user steps."""
+    depth = getattr(_AUTODIFF, "depth", 0)
+    _AUTODIFF.depth = depth + 1
+    try:
+        yield
+    finally:
+        _AUTODIFF.depth = depth
 
 
 def _phase_attr(phase: Phase) -> tf.compat.v1.AttrValue:
@@ -47,10 +71,11 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
     graph = loss.graph
     var_list = split_before_autodiff(graph, loss, var_list)
     first = len(graph.get_operations())
-    grads_and_vars = _ORIGINAL["compute_gradients"](
-        self, loss, var_list=var_list, gate_gradients=gate_gradients,
-        aggregation_method=aggregation_method, colocate_gradients_with_ops=True,
-        grad_loss=grad_loss)
+    with internal_autodiff():
+        grads_and_vars = _ORIGINAL["compute_gradients"](
+            self, loss, var_list=var_list, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method, colocate_gradients_with_ops=True,
+            grad_loss=grad_loss)
     sparse_as_dense = bool(get_config().get("communication.sparse_as_dense"))
     if sparse_as_dense:
         grads_and_vars = [(_densify(g), v) for g, v in grads_and_vars]
@@ -103,7 +128,7 @@ def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):
         instruments.append(DumpInstrument(config.get("debug.dump_dir")))
-    with graph.as_default():
+    with graph.as_default(), internal_autodiff():
         PassManager([SplitPass()], instruments).run(graph, ctx)
     state.dumps_written = 1 + len(ctx.passes_run) if config.get("debug.dump_dir") else 0
     if var_list is None:
@@ -163,11 +188,52 @@ def _matching_step(state, grads_and_vars):
     return None
 
 
+def _user_gradients(original, *args, **kwargs):
+    """tf.gradients / tf.compat.v1.gradients as the user calls them, recorded.
+
+    Gradients are colocated with their forward ops (as compute_gradients'),
+    and the call is recorded as a candidate training step: the loss (`ys`, one
+    scalar), the (gradient, variable) pairs of the `xs` that are variables, the
+    ops it created and how it was called.
+    """
+    if not is_initialized() or getattr(_AUTODIFF, "depth", 0) or tf.executing_eagerly():
+        return original(*args, **kwargs)
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    if "colocate_gradients_with_ops" in call:
+        call["colocate_gradients_with_ops"] = True
+    ys, xs = call["ys"], call["xs"]
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    with internal_autodiff():
+        grads = original(*bound.args, **bound.kwargs)
+    loss = ys[0] if isinstance(ys, (list, tuple)) and len(ys) == 1 else ys
+    variables = list(xs) if isinstance(xs, (list, tuple)) else [xs]
+    pairs = [(g, x) for g, x in zip(grads, variables) if isinstance(x, tf.Variable)]
+    if isinstance(loss, tf.Tensor) and pairs:
+        grad_ys = call.get("grad_ys")
+        kwargs_ = dict(gate_gradients=_Optimizer.GATE_OP if call.get("gate_gradients")
+                       else _Optimizer.GATE_NONE,
+                       aggregation_method=call.get("aggregation_method"),
+                       grad_loss=grad_ys[0] if isinstance(grad_ys, (list, tuple)) else grad_ys,
+                       sparse_as_dense=False)
+        graph_state(graph).train_steps.append(TrainStep(
+            loss=loss, grads_and_vars=pairs, gradient_kwargs=kwargs_,
+            backward_ops=graph.get_operations()[first:], from_gradients=True))
+    return grads
+
+
 def install() -> None:
-    """Wrap the tf.compat.v1 Optimizer methods (idempotent)."""
+    """Wrap the tf.compat.v1 Optimizer methods and tf.gradients (idempotent)."""
     if _ORIGINAL:
         return
     _ORIGINAL["compute_gradients"] = _Optimizer.compute_gradients
     _ORIGINAL["apply_gradients"] = _Optimizer.apply_gradients
     _Optimizer.compute_gradients = functools.wraps(_ORIGINAL["compute_gradients"])(compute_gradients)
     _Optimizer.apply_gradients = functools.wraps(_ORIGINAL["apply_gradients"])(apply_gradients)
+    for module in (tf, tf.compat.v1):
+        original = module.gradients
+        _ORIGINAL[f"gradients:{module.__name__}"] = original
+        module.gradients = functools.wraps(original)(
+            functools.partial(_user_gradients, original))

@@ -21,8 +21,9 @@ import tensorflow as tf
 from epl.cluster import Cluster, local_cluster, physical_gpu_count
 from epl.env import get_config
 from epl.errors import ParallelizeError
-from epl.ir.graph_view import TrainingView, analyze
+from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
+from epl.optimizer_hooks import internal_autodiff
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_plan
 from epl.planner.planner import local_profiles, local_replica_weights
@@ -100,7 +101,12 @@ def make_communicator(cluster: Cluster, config) -> HierarchicalCommunicator:
 def needs_parallelize(graph: tf.Graph) -> bool:
     """True if EPL annotated `graph` (scopes or an optimizer step) and has not run yet."""
     state = graph_state(graph, create=False)
-    return state is not None and not state.parallelized and bool(state.taskgraphs or state.train_steps)
+    if state is None or state.parallelized:
+        return False
+    if state.taskgraphs or any(not step.from_gradients for step in state.train_steps):
+        return True
+    # only tf.gradients calls: a training step if their gradients update variables
+    return bool(state.train_steps) and has_training_step(state)
 
 
 @contextlib.contextmanager
@@ -128,7 +134,7 @@ def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | No
     state = graph_state(graph)
     if state.parallelized:
         return state.result
-    with _cyclic_gc_paused():
+    with _cyclic_gc_paused(), internal_autodiff():   # EPL's autodiff is not a user step
         return _parallelize(graph, state, replica_weights)
 
 

@@ -320,3 +320,153 @@ def load_initial_values(session, graph: tf.Graph, scale: float = 0.02) -> None:
         if name.endswith("gamma"):
             value += 1.0
         var.load(value, session)
+
+
+# --------------------------------------------------------------------------
+# BERT-style optimization: tf.gradients, global-norm clipping, and an optimizer
+# whose apply_gradients is its own assign ops (optimization.py's pattern)
+# --------------------------------------------------------------------------
+
+
+class AdamWeightDecayOptimizer(tf.compat.v1.train.Optimizer):
+    """Adam with decoupled weight decay, updating with plain assign ops (BERT's
+    optimizer): its own slot variables, no bias correction, and an
+    apply_gradients that never calls the base class."""
+
+    def __init__(self, learning_rate, weight_decay_rate=0.0, beta_1=0.9, beta_2=0.999,
+                 epsilon=1e-6, exclude_from_weight_decay=None, name="AdamWeightDecayOptimizer"):
+        super().__init__(False, name)
+        self.learning_rate = learning_rate
+        self.weight_decay_rate = weight_decay_rate
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.exclude_from_weight_decay = exclude_from_weight_decay
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        assignments = []
+        for grad, param in grads_and_vars:
+            if grad is None or param is None:
+                continue
+            param_name = param.op.name
+            m = tf.compat.v1.get_variable(param_name + "/adam_m", shape=param.shape.as_list(),
+                                          dtype=tf.float32, trainable=False,
+                                          initializer=tf.zeros_initializer())
+            v = tf.compat.v1.get_variable(param_name + "/adam_v", shape=param.shape.as_list(),
+                                          dtype=tf.float32, trainable=False,
+                                          initializer=tf.zeros_initializer())
+            next_m = tf.multiply(self.beta_1, m) + tf.multiply(1.0 - self.beta_1, grad)
+            next_v = tf.multiply(self.beta_2, v) + tf.multiply(1.0 - self.beta_2, tf.square(grad))
+            update = next_m / (tf.sqrt(next_v) + self.epsilon)
+            if self._do_use_weight_decay(param_name):
+                update += self.weight_decay_rate * param
+            next_param = param - self.learning_rate * update
+            assignments.extend([param.assign(next_param), m.assign(next_m), v.assign(next_v)])
+        return tf.group(*assignments, name=name)
+
+    def _do_use_weight_decay(self, param_name: str) -> bool:
+        if not self.weight_decay_rate:
+            return False
+        import re
+        return not any(re.search(pattern, param_name) for pattern in
+                       self.exclude_from_weight_decay or [])
+
+
+def create_optimizer(loss, init_lr: float, num_train_steps: int) -> tf.Operation:
+    """The training op: polynomial decay of the learning rate, tf.gradients, clipping by
+    global norm, the weight-decay Adam, and the global step incremented by hand."""
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    learning_rate = tf.compat.v1.train.polynomial_decay(
+        tf.constant(init_lr, dtype=tf.float32), global_step, num_train_steps,
+        end_learning_rate=0.0, power=1.0, cycle=False)
+    optimizer = AdamWeightDecayOptimizer(
+        learning_rate=learning_rate, weight_decay_rate=0.01,
+        exclude_from_weight_decay=["LayerNorm", "layer_norm", "bias", "beta", "gamma"])
+    tvars = tf.compat.v1.trainable_variables()
+    grads = tf.gradients(loss, tvars)
+    grads, _ = tf.clip_by_global_norm(grads, clip_norm=1.0)
+    train_op = optimizer.apply_gradients(zip(grads, tvars), global_step=global_step)
+    new_global_step = global_step + 1
+    return tf.group(train_op, [global_step.assign(new_global_step)])
+
+
+def build_pretraining_custom(batch_size: int, examples: dict, config: BertConfig = BertConfig(),
+                             stages: bool = False, checkpoint_layers: bool = False,
+                             chunks: int = 1, init_lr: float = 1e-2) -> Pretraining:
+    """`build_pretraining`'s model trained by `create_optimizer` (BERT's training step)."""
+    tf.compat.v1.set_random_seed(1234)
+    if chunks == 1:
+        loss, features = _pretraining_loss(batch_size, examples, config, stages,
+                                           checkpoint_layers)
+    else:
+        with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
+                                         reuse=tf.compat.v1.AUTO_REUSE):
+            next_batch = _chunk_iterator(examples, batch_size // chunks)
+            parts = [_pretraining_loss(batch_size // chunks, examples, config, stages,
+                                       checkpoint_layers, next_batch) for _ in range(chunks)]
+        loss, features = tf.add_n([p[0] for p in parts]) / chunks, parts[0][1]
+    train_op = create_optimizer(loss, init_lr, 100)
+    return Pretraining(loss, train_op, tf.compat.v1.train.get_or_create_global_step(), features)
+
+
+# --------------------------------------------------------------------------
+# Training runs for the oracle tests
+# --------------------------------------------------------------------------
+
+
+def train(builder, batch_size: int, examples: dict, config: dict | None, steps: int = 3,
+          chunks: int = 1, **build_kwargs):
+    """(losses, {variable name: value} of every global variable EPL did not add,
+    graph) after `steps` steps of `builder` (build_pretraining or
+    build_pretraining_custom); under EPL when `config` is a dict."""
+    from epl import env
+    env.reset()
+    if config is not None:
+        epl.init(epl.Config({"debug.check_invariants": True, **config}))
+    with tf.Graph().as_default() as graph:
+        step = builder(batch_size, examples, chunks=chunks, **build_kwargs)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            load_initial_values(sess, graph)
+            losses = [float(sess.run([step.train_op, step.loss])[1]) for _ in range(steps)]
+            variables = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+                         if not v.op.name.startswith("EPL_")]
+            values = dict(zip([v.op.name for v in variables], sess.run(variables)))
+    env.reset()
+    return losses, values, graph
+
+
+_REFERENCES: dict = {}
+
+
+def reference(builder, batch_size: int, examples: dict, steps: int = 3):
+    """Single-device training of `builder` on batches of `batch_size` and its noise
+    floor: per variable (and "<losses>"), the largest difference against the same
+    training with each batch drawn and summed in two halves (tests/conftest.py
+    explains the tolerance). Cached."""
+    key = (builder.__name__, batch_size, id(examples), steps)
+    if key not in _REFERENCES:
+        plain = train(builder, batch_size, examples, None, steps)
+        halves = train(builder, batch_size, examples, None, steps, chunks=2)
+        floor = {name: float(np.max(np.abs(halves[1][name] - value)))
+                 for name, value in plain[1].items()}
+        floor["<losses>"] = float(np.max(np.abs(np.array(halves[0]) - plain[0])))
+        _REFERENCES[key] = (plain, floor)
+    return _REFERENCES[key]
+
+
+def assert_matches(result, reference_and_floor, amp: bool = False) -> None:
+    """`result` equals the reference within the noise-floor tolerance (AMP: within
+    float16's tolerance, as tests/test_amp.py)."""
+    from conftest import ATOL, NOISE_FACTOR, RTOL
+    (losses, values, _), floor = reference_and_floor
+    assert sorted(result[1]) == sorted(values)
+    for name, value in values.items():
+        if amp:
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                close = np.isclose(result[1][name], value, rtol=1e-2, atol=1e-3)
+                assert close.mean() >= 0.9, name
+            continue
+        np.testing.assert_allclose(result[1][name], value, rtol=RTOL,
+                                   atol=max(ATOL, NOISE_FACTOR * floor[name]), err_msg=name)
+    tolerance = dict(rtol=1e-2, atol=1e-3) if amp else dict(
+        rtol=RTOL, atol=max(ATOL, NOISE_FACTOR * floor["<losses>"]))
+    np.testing.assert_allclose(result[0], losses, err_msg="per-step losses", **tolerance)

@@ -133,7 +133,8 @@ def test_strategy_without_optimizer_step():
         with pytest.raises(epl.ParallelizeError) as err:
             tf.compat.v1.Session()
     assert "the graph has EPL strategy annotations but no training step" in str(err.value)
-    assert "minimize, or compute_gradients followed by apply_gradients" in str(err.value)
+    assert ("(Optimizer.minimize, compute_gradients or tf.gradients, then apply_gradients or "
+            "assign ops); no gradients were built") in str(err.value)
 
 
 def test_bad_device_count_value():

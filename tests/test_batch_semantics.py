@@ -48,63 +48,17 @@ STRATEGIES = {
 UNITS = 4
 
 
-def _train(batch_size: int, config: dict | None, steps: int = STEPS, chunks: int = 1,
-           **build_kwargs):
-    """(losses, trainable variable values, graph) after `steps` steps."""
-    env.reset()
-    if config is not None:
-        epl.init(epl.Config({"debug.check_invariants": True, **config}))
-    with tf.Graph().as_default() as graph:
-        step = bert_like.build_pretraining(batch_size, EXAMPLES, chunks=chunks, **build_kwargs)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            bert_like.load_initial_values(sess, graph)
-            losses = [float(sess.run([step.train_op, step.loss])[1]) for _ in range(steps)]
-            variables = graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
-            values = dict(zip([v.op.name for v in variables], sess.run(variables)))
-    env.reset()
-    return losses, values, graph
-
-
-_REFERENCES: dict = {}
-
-
-def _reference(batch_size: int):
-    """Single-device training on batches of `batch_size`, and its noise floor: the
-    largest difference per variable against the same training with the batch
-    drawn and summed in two halves (tests/conftest.py explains the tolerance)."""
-    if batch_size not in _REFERENCES:
-        plain = _train(batch_size, None)
-        halves = _train(batch_size, None, chunks=2)
-        floor = {name: float(np.max(np.abs(halves[1][name] - value)))
-                 for name, value in plain[1].items()}
-        floor["<losses>"] = float(np.max(np.abs(np.array(halves[0]) - plain[0])))
-        _REFERENCES[batch_size] = (plain, floor)
-    return _REFERENCES[batch_size]
-
-
-def _assert_matches(result, batch_size: int, amp: bool = False):
-    from conftest import ATOL, NOISE_FACTOR, RTOL
-    (losses, values, _), floor = _reference(batch_size)
-    assert sorted(result[1]) == sorted(values)
-    for name, value in values.items():
-        tolerance = AMP_TOLERANCE if amp else dict(
-            rtol=RTOL, atol=max(ATOL, NOISE_FACTOR * floor[name]))
-        np.testing.assert_allclose(result[1][name], value, err_msg=name, **tolerance)
-    tolerance = AMP_TOLERANCE if amp else dict(
-        rtol=RTOL, atol=max(ATOL, NOISE_FACTOR * floor["<losses>"]))
-    np.testing.assert_allclose(result[0], losses, err_msg="per-step losses", **tolerance)
-
-
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_bert_like_matches_single_device_on_the_concatenated_batches(strategy):
     """Every unit draws its own static-shaped batch; the step equals single-device
     training on the 4 batches concatenated in order."""
     config, build_kwargs = STRATEGIES[strategy]
-    result = _train(MICRO, config, **build_kwargs)
+    builder = bert_like.build_pretraining
+    result = bert_like.train(builder, MICRO, EXAMPLES, config, STEPS, **build_kwargs)
     parallel = parallel_graph(result[2])
     assert parallel.plan.num_replicas * int(config.get("pipeline.num_micro_batch", 1)) == UNITS
-    _assert_matches(result, UNITS * MICRO, amp=strategy == "amp")
+    bert_like.assert_matches(result, bert_like.reference(builder, UNITS * MICRO, EXAMPLES, STEPS),
+                             amp=strategy == "amp")
 
 
 def test_global_mode_refuses_a_baked_batch_size_before_any_op_is_added():

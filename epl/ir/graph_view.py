@@ -328,13 +328,17 @@ def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Opera
     return resolved
 
 
-def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region, batch_inputs):
+def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region, batch_inputs,
+                     steps):
     phase_of: dict[tf.Operation, Phase] = {}
     tagged_phases = {Phase.BACKWARD.value: Phase.BACKWARD, Phase.APPLY.value: Phase.APPLY}
+    recorded = {op for step in steps if step.from_gradients for op in step.backward_ops}
     for op in ops:
         op_tags = tags[op]
         if op_tags.split_replaced:
             phase_of[op] = Phase.OTHER
+        elif op in recorded:      # the autodiff of a confirmed tf.gradients step
+            phase_of[op] = Phase.BACKWARD
         elif op_tags.phase in tagged_phases:
             phase_of[op] = tagged_phases[op_tags.phase]
     processing = descendants([g for g, _ in gradients], within=step_ops)
@@ -350,7 +354,28 @@ def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_regio
             phase_of[op] = Phase.FORWARD
         else:
             phase_of[op] = Phase.OTHER
+    if any(step.derived_train_op for step in steps):
+        _untagged_updates(phase_of, step_ops, batch_region, tags)
     return phase_of
+
+
+def _untagged_updates(phase_of, step_ops, batch_region, tags) -> None:
+    """Updates no hooked apply_gradients tagged (a custom optimizer's assign ops, a
+    global step incremented by hand) and what they read (the optimizer's own slot
+    variables, the variable's value, a learning-rate schedule) are the apply phase,
+    so that every replica runs them on its own variables."""
+    writers = [op for op in step_ops if variable_written(op) is not None
+               and phase_of[op] in (Phase.OTHER, Phase.APPLY)]
+    after, stack = set(writers), list(writers)   # ops that wait for an update: the group
+    while stack:                                  # ops up to the train op
+        for nxt in _consumers(stack.pop()):
+            if nxt in step_ops and nxt not in after:
+                after.add(nxt)
+                stack.append(nxt)
+    for op in (ancestors(writers) & step_ops) | after:
+        if phase_of[op] == Phase.OTHER and op not in batch_region \
+                and tags[op].type not in VARIABLE_OP_TYPES:
+            phase_of[op] = Phase.APPLY
 
 
 def _check_control_flow(replica_ops, describe, tags) -> None:
@@ -385,16 +410,108 @@ def _split_parts(step_region, split_tgs, taskgraph_of, phase_of, variable_ops):
     return split_ops, apply_ops, variables
 
 
+# Op types that write the variable whose handle (or ref) is their first input.
+_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "Apply",
+                   "SparseApply", "Scatter", "ResourceStridedSliceAssign", "StridedSliceAssign")
+
+
+def variable_written(op: tf.Operation) -> tf.Operation | None:
+    """The variable op `op` writes (an assign, an optimizer's apply, a scatter), if any."""
+    if not op.inputs or not op.type.startswith(_WRITE_PREFIXES):
+        return None
+    source = op.inputs[0]
+    if source.op.type in VARIABLE_OP_TYPES and (source.dtype == tf.resource
+                                                or source.dtype._is_ref_dtype):
+        return source.op
+    return None
+
+
+def _consumers(op: tf.Operation):
+    for tensor in op.outputs:
+        yield from tensor.consumers()
+    yield from op._control_outputs
+
+
+def derive_train_op(step) -> tf.Operation | None:
+    """The op that runs a step's variable updates, found in the graph, or None when
+    the step's gradients update no variable (then it is not a training step).
+
+    For steps no hooked `apply_gradients` recorded: `tf.gradients` followed by
+    an optimizer whose apply_gradients is its own assign ops (BERT's
+    AdamWeightDecayOptimizer), or by clipping and any optimizer. The updates are
+    the ops computed from the gradients that write a variable; the train op is
+    the last-created op, among those nothing else consumes, that needs every
+    update (typically the `tf.group` the script runs). Raises when no single op
+    runs them all.
+    """
+    grads = []
+    for grad, _ in step.grads_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            grads.extend([grad.values, grad.indices])
+        elif grad is not None:
+            grads.append(grad)
+    updates = [op for op in descendants(grads) if variable_written(op) is not None]
+    if not updates:
+        return None
+    after, stack = set(updates), list(updates)
+    while stack:
+        for nxt in _consumers(stack.pop()):
+            if nxt not in after:
+                after.add(nxt)
+                stack.append(nxt)
+    sinks = [op for op in after if next(_consumers(op), None) is None]
+    needed = set(updates)
+    covering = [op for op in sinks if needed <= ancestors([op])]
+    if not covering:
+        raise ParallelizeError(
+            f"the gradients of loss {step.loss.name} update variables "
+            f"({', '.join(sorted(variable_written(op).name for op in updates)[:5])}) but no "
+            "single op runs every update, so EPL cannot tell which op is the training step. "
+            "Group the updates into one op (tf.group) and run that op.")
+    return max(covering, key=lambda op: op._id)
+
+
 def training_steps(state: GraphState):
-    """The recorded steps that have a train op; error if there are none."""
-    steps = [s for s in state.train_steps if s.train_op is not None and s.loss is not None]
+    """The recorded steps that train (a train op recorded by apply_gradients, or found
+    in the graph for a step recorded from tf.gradients or whose optimizer overrides
+    apply_gradients); error if there are none."""
+    steps = []
+    for step in state.train_steps:
+        if step.loss is None:
+            continue
+        if step.train_op is None:
+            train_op = derive_train_op(step)
+            if train_op is None:
+                continue
+            step.train_op, step.derived_train_op = train_op, True
+        steps.append(step)
     if not steps:
+        seen = [s for s in state.train_steps if s.loss is not None]
         raise ParallelizeError(
             "the graph has EPL strategy annotations but no training step: EPL parallelizes "
-            "the step built by a tf.compat.v1.train.Optimizer (minimize, or compute_gradients "
-            "followed by apply_gradients). Build the optimizer step before creating the "
-            "session or calling epl.parallelize().")
+            "the step that updates trainable variables from gradients (Optimizer.minimize, "
+            "compute_gradients or tf.gradients, then apply_gradients or assign ops)"
+            + (f"; the gradients recorded ({', '.join(s.loss.name for s in seen[:3])}) "
+               "update no variable" if seen else "; no gradients were built")
+            + ". Build the training step before creating the session or calling "
+            "epl.parallelize(); an inference-only graph needs no EPL scopes.")
     return steps
+
+
+def has_training_step(state: GraphState) -> bool:
+    """True if a recorded step trains (see `training_steps`); its problems, if any,
+    are reported by analysis."""
+    for step in state.train_steps:
+        if step.loss is None:
+            continue
+        if step.train_op is not None:
+            return True
+        try:
+            if derive_train_op(step) is not None:
+                return True
+        except ParallelizeError:
+            return True
+    return False
 
 
 def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
@@ -417,7 +534,7 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
             "batch. Feed the examples through one of these.")
     batch_region = ancestors([t.op for t in batch_inputs])
     phase_of = _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region,
-                                batch_inputs)
+                                batch_inputs, steps)
     taskgraph_of = _resolve_taskgraphs(ops, state, phase_of, tags)
     variable_ops = [op for op in ops if tags[op].type in VARIABLE_OP_TYPES]
     step_region = [op for op in ops

@@ -46,6 +46,9 @@ class TrainStep:
       the gradients of a copy of the forward graph the same way.
     backward_ops: the ops compute_gradients created, in creation order (the
       template that epl.ir.backward_copy copies for each replica).
+    A step recorded from `tf.gradients` (epl/optimizer_hooks.py) has no train
+    op until analysis finds the updates its gradients feed
+    (epl.ir.graph_view.derive_train_op).
     """
 
     loss: tf.Tensor
@@ -53,6 +56,12 @@ class TrainStep:
     train_op: tf.Operation | None = None
     gradient_kwargs: dict = dataclasses.field(default_factory=dict)
     backward_ops: list = dataclasses.field(default_factory=list)
+    # recorded from the user's own tf.gradients call: its ops are backward only if
+    # analysis finds its gradients updating variables (it may be a gradient
+    # penalty inside the forward pass instead)
+    from_gradients: bool = False
+    # the train op was found in the graph (no hooked apply_gradients recorded it)
+    derived_train_op: bool = False
 
 
 @dataclasses.dataclass

@@ -1,0 +1,178 @@
+"""Any training step: tf.gradients, processing, and updates EPL finds in the graph.
+
+BERT's optimization.py builds its step as `tf.gradients`, `clip_by_global_norm`,
+then an optimizer whose apply_gradients is its own assign ops, and increments
+the global step by hand (tests/bert_like.py writes that pattern from scratch).
+EPL records the user's tf.gradients, finds the updates its gradients feed and
+the op that runs them (the train op), and parallelizes that step like a
+minimize(): the oracle holds under every strategy.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from epl import env
+from epl.runtime.session import parallel_graph
+
+import bert_like
+
+MICRO, UNITS, STEPS = 4, 4, 3
+EXAMPLES = bert_like.make_examples(96, seed=1)
+STRATEGIES = {
+    "dp": ({"cluster.virtual_devices": 4}, {}),
+    "pipeline_1f1b": ({"cluster.virtual_devices": 4, "pipeline.num_micro_batch": 2,
+                       "pipeline.strategy": "PreferBackward"}, {"stages": True}),
+    "pipeline_gpipe": ({"cluster.virtual_devices": 4, "pipeline.num_micro_batch": 2,
+                        "pipeline.strategy": "PreferForward"}, {"stages": True}),
+    "gc": ({"cluster.virtual_devices": 4, "gradient_checkpoint.type": "collection"},
+           {"checkpoint_layers": True}),
+    "amp": ({"cluster.virtual_devices": 4, "amp.level": "O1"}, {}),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_bert_training_step_matches_single_device(strategy):
+    """tf.gradients + clip_by_global_norm (over the reduced gradients) + a weight-decay
+    Adam of assign ops + a hand-incremented global step: same numbers as plain TF."""
+    config, build_kwargs = STRATEGIES[strategy]
+    builder = bert_like.build_pretraining_custom
+    result = bert_like.train(builder, MICRO, EXAMPLES, config, STEPS, **build_kwargs)
+    parallel = parallel_graph(result[2])
+    assert parallel.plan.num_replicas * int(config.get("pipeline.num_micro_batch", 1)) == UNITS
+    assert result[1]["global_step"] == STEPS
+    bert_like.assert_matches(result, bert_like.reference(builder, UNITS * MICRO, EXAMPLES, STEPS),
+                             amp=strategy == "amp")
+
+
+def _small_step(gradients_fn, use_epl: bool, rows: int, steps: int = 3):
+    """A two-layer model trained by `gradients_fn(loss, variables, global_step) -> train op`."""
+    env.reset()
+    if use_epl:
+        epl.init(epl.Config({"cluster.virtual_devices": 2, "debug.check_invariants": True}))
+    data = np.random.RandomState(0)
+    features, labels = data.randn(8, 5).astype(np.float32), data.randn(8, 2).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [rows, 5])
+        y = tf.compat.v1.placeholder(tf.float32, [rows, 2])
+        with (epl.replicate(1) if use_epl else bert_like.contextlib.nullcontext()):
+            h = tf.compat.v1.layers.dense(x, 7, activation=tf.nn.tanh, name="hidden",
+                                          kernel_initializer=tf.constant_initializer(0.3))
+            out = tf.compat.v1.layers.dense(h, 2, name="out",
+                                            kernel_initializer=tf.constant_initializer(-0.2))
+            loss = tf.reduce_mean(tf.square(out - y))
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        train_op = gradients_fn(loss, tf.compat.v1.trainable_variables(), global_step)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [float(sess.run([train_op, loss], {x: features, y: labels})[1])
+                      for _ in range(steps)]
+            values = {v.op.name: sess.run(v) for v in tf.compat.v1.global_variables()}
+    env.reset()
+    return losses, values, graph
+
+
+def _clip_then_apply(loss, variables, global_step):
+    """EPL's set_default_scope_test pattern: tf.gradients, clip, apply_gradients."""
+    grads = tf.gradients(loss, variables)
+    grads, _ = tf.clip_by_global_norm(grads, 0.5)
+    return tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
+        zip(grads, variables), global_step=global_step)
+
+
+def _compute_then_custom_apply(loss, variables, global_step):
+    """compute_gradients (hooked), then an optimizer that overrides apply_gradients."""
+    grads_and_vars = tf.compat.v1.train.GradientDescentOptimizer(0.1).compute_gradients(loss)
+    optimizer = bert_like.AdamWeightDecayOptimizer(0.05)
+    return tf.group(optimizer.apply_gradients(grads_and_vars), global_step.assign_add(1))
+
+
+def _plain_assigns(loss, variables, global_step):
+    """tf.compat.v1.gradients and plain assign_sub ops, one group, no optimizer at all."""
+    grads = tf.compat.v1.gradients(loss, variables)
+    updates = [v.assign_sub(0.1 * g) for v, g in zip(variables, grads)]
+    return tf.group(*updates, global_step.assign_add(1))
+
+
+@pytest.mark.parametrize("gradients_fn", [_clip_then_apply, _compute_then_custom_apply,
+                                          _plain_assigns],
+                         ids=["clip-then-apply", "custom-apply", "plain-assigns"])
+def test_training_steps_without_minimize_match_single_device(gradients_fn):
+    reference = _small_step(gradients_fn, False, 8)
+    result = _small_step(gradients_fn, True, 4)
+    assert sorted(result[1]) == sorted(reference[1])
+    for name, value in reference[1].items():
+        np.testing.assert_allclose(result[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
+    assert parallel_graph(result[2]).plan.num_replicas == 2
+
+
+def test_gradient_penalty_inside_the_loss_is_not_a_step():
+    """tf.gradients used inside the forward pass (a gradient penalty) stays forward; the
+    training step is the optimizer's, and training matches single-device."""
+    def build(use_epl, rows):
+        env.reset()
+        if use_epl:
+            epl.init(epl.Config({"cluster.virtual_devices": 2, "debug.check_invariants": True}))
+        with tf.Graph().as_default() as graph:
+            x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
+            w = tf.compat.v1.get_variable("w", initializer=np.full([3, 1], 0.5, np.float32))
+            score = tf.matmul(tf.tanh(x), w)
+            penalty = tf.reduce_mean(tf.square(tf.gradients(tf.reduce_sum(score), x)[0]))
+            loss = tf.reduce_mean(score) + penalty
+            train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+            data = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                losses = [float(sess.run([train_op, loss], {x: data})[1]) for _ in range(3)]
+                value = sess.run(w)
+        env.reset()
+        return losses, value, graph
+    reference, result = build(False, 8), build(True, 4)
+    np.testing.assert_allclose(result[1], reference[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
+    view = parallel_graph(result[2]).view
+    assert len(view.steps) == 1 and not view.steps[0].from_gradients
+
+
+def test_updates_without_one_op_that_runs_them_are_refused():
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+        with epl.replicate(1):
+            w = tf.compat.v1.get_variable("w", [3, 1])
+            b = tf.compat.v1.get_variable("b", [1])
+            loss = tf.reduce_mean(tf.matmul(x, w) + b)
+        grad_w, grad_b = tf.gradients(loss, [w, b])
+        w.assign_sub(0.1 * grad_w)
+        b.assign_sub(0.1 * grad_b)   # two updates, no op that runs both
+        before = len(graph.get_operations())
+        with pytest.raises(epl.ParallelizeError) as err:
+            epl.parallelize(graph)
+        assert len(graph.get_operations()) == before
+    assert str(err.value) == (
+        "the gradients of loss Mean:0 update variables (b, w) but no single op runs every "
+        "update, so EPL cannot tell which op is the training step. Group the updates into one "
+        "op (tf.group) and run that op.")
+
+
+def test_gradients_that_update_nothing_are_no_training_step():
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+        with epl.replicate(1):
+            w = tf.compat.v1.get_variable("w", [3, 1])
+            loss = tf.reduce_mean(tf.matmul(x, w))
+        tf.gradients(loss, [w])   # a saliency map, say: never applied
+        with pytest.raises(epl.ParallelizeError) as err:
+            epl.parallelize(graph)
+    assert str(err.value) == (
+        "the graph has EPL strategy annotations but no training step: EPL parallelizes the step "
+        "that updates trainable variables from gradients (Optimizer.minimize, compute_gradients "
+        "or tf.gradients, then apply_gradients or assign ops); the gradients recorded (Mean:0) "
+        "update no variable. Build the training step before creating the session or calling "
+        "epl.parallelize(); an inference-only graph needs no EPL scopes.")
