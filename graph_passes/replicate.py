@@ -242,7 +242,7 @@ class ReplicatePass(GraphPass):
         ctx.artifacts[ReplicatePass.name] = Replication(
             per_gradient, unit_inputs.replica_weights, merged, syncs, mirrors, replica_maps,
             micro, forward_copies, built.backward_ops, loss_copies, built.presummed,
-            split_gradients, dict(unit_inputs.feeds))
+            split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws))
         added = [op.name for op in graph.get_operations() if op not in before]
         op_map = {op.name: [forward_copies[u][op].name for u in sorted(forward_copies)
                             if op in forward_copies[u]]

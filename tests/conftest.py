@@ -371,7 +371,7 @@ def models():
     return types.SimpleNamespace(
         BATCH=BATCH, make_data=make_data, make_params=make_params, build=build, train=train,
         variable_values=variable_values, assert_same_training=assert_same_training,
-        make_optimizer=make_optimizer, single_device=_single_device)
+        make_optimizer=make_optimizer, single_device=_single_device, LOSSES=LOSSES)
 
 
 _REFERENCE_CACHE: dict = {}

@@ -553,11 +553,20 @@ def compare_gradients(sess, reference: Sequence, checkpointed: Sequence, feed_di
     compares the tensor with zeros. Raises ValueError if the lists differ in
     length or shape.
     """
+    fetch = gradient_pairs(reference, checkpointed)
+    return gradient_difference(sess.run(fetch, feed_dict=feed_dict), reference, checkpointed)
+
+
+def gradient_pairs(reference: Sequence, checkpointed: Sequence) -> list:
+    """What to fetch to compare two gradient lists: per gradient, its non-None values."""
     reference, checkpointed = list(reference), list(checkpointed)
     if len(reference) != len(checkpointed):
         raise ValueError(f"{len(reference)} reference gradients, {len(checkpointed)} checkpointed")
-    fetch = [[g for g in pair if g is not None] for pair in zip(reference, checkpointed)]
-    values = sess.run(fetch, feed_dict=feed_dict)
+    return [[g for g in pair if g is not None] for pair in zip(reference, checkpointed)]
+
+
+def gradient_difference(values: list, reference: Sequence, checkpointed: Sequence) -> float:
+    """Largest absolute difference in the fetched `gradient_pairs` values."""
     worst = 0.0
     for i, (pair, got) in enumerate(zip(zip(reference, checkpointed), values)):
         got = [_dense_value(v) for v in got]

@@ -161,8 +161,8 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if result.feeds and feed_dict:
         feed_dict = _redirect_feeds(result, feed_dict)
     if result.gradient_check is not None and result.gradient_check_max_diff is None \
-            and plan.trains:
-        _check_gradients(self, result, feed_dict)
+            and plan.trains:   # the first step then uses the batch the check drew
+        feed_dict = {**(feed_dict or {}), **_check_gradients(self, result, feed_dict)}
     if plan.gather:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather))
     if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
@@ -196,15 +196,24 @@ def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
     return redirected
 
 
-def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:
-    """gradient_checkpoint.check_gradients: compare the values, before the first step."""
-    from epl.ir.recompute import compare_gradients
+def _check_gradients(session, result: ParallelGraph, feed_dict) -> dict:
+    """gradient_checkpoint.check_gradients: compare the values before the first step.
+
+    The comparison run draws the step's batches from the user's iterators; it
+    returns them as a feed of the draws' outputs, so the first training step
+    uses exactly those batches and the iterator is not advanced twice.
+    """
+    from epl.ir.recompute import gradient_difference, gradient_pairs
     reference, checkpointed = result.gradient_check
-    result.gradient_check_max_diff = compare_gradients(session, reference, checkpointed, feed_dict)
+    drawn = list(result.drawn)
+    values, drawn_values = _ORIGINAL["run"](
+        session, [gradient_pairs(reference, checkpointed), drawn], feed_dict)
+    result.gradient_check_max_diff = gradient_difference(values, reference, checkpointed)
     logging.getLogger(__name__).warning(
         "gradient_checkpoint.check_gradients: largest absolute difference between the "
         "gradients with and without checkpointing on the first step: %.3g",
         result.gradient_check_max_diff)
+    return dict(zip(drawn, drawn_values))
 
 
 def _bounded(result: ParallelGraph, run):

@@ -118,6 +118,8 @@ class UnitInputs:
     micro_scales: per replica, per micro-batch, its share of the replica's rows
       (how its gradient enters the replica's accumulated gradient).
     feeds: user's placeholder -> FeedRedirect (replica mode, static batch).
+    draws: the ops that draw the step's batches from the user's iterators
+      (every unit's GetNext in replica mode, the user's own in global mode).
     shape_constants: forward Const -> the batch tensor whose static shape it holds
       (global mode: the copies compute that shape from their own slice).
     unit_rows: static rows per unit (None where only known at run time).
@@ -130,6 +132,7 @@ class UnitInputs:
     feeds: dict
     shape_constants: dict
     unit_rows: list
+    draws: list = dataclasses.field(default_factory=list)
 
     def of_unit(self, unit: int) -> dict:
         """{template batch tensor: what unit `unit` reads}."""
@@ -395,8 +398,16 @@ def build_unit_inputs(view, plan, micro: int, mode: str, communicator, host: str
                 replica_weights.append(total)
                 micro_scales.append([tf.cast(w, tf.float32) / total for w in mine]
                                     if micro > 1 else [1.0])
+    draws = []
+    for parts in tensors.values():
+        for part in parts:
+            if part.op.type in ITERATOR_OUTPUT_TYPES and part.op not in draws:
+                draws.append(part.op)
+    for tensor in view.batch_inputs:   # global mode slices the user's own draw
+        if tensor.op.type in ITERATOR_OUTPUT_TYPES and tensor.op not in draws:
+            draws.append(tensor.op)
     return UnitInputs(tensors, unit_weights, replica_weights, micro_scales, feeds,
-                      shape_constants, unit_rows)
+                      shape_constants, unit_rows, draws)
 
 
 def _replica_inputs(view, plan, micro: int, host: str):

@@ -36,6 +36,7 @@ class Replication:
     split_gradients: (variable op, its one gradient) of every split variable
       (not reduced over replicas; summed over workers when there are several).
     feeds: user's placeholder -> inputs.FeedRedirect (the session moves its feed).
+    draws: the ops that draw the step's batches from the user's iterators.
     """
 
     gradients: list
@@ -51,6 +52,7 @@ class Replication:
     presummed: bool = False
     split_gradients: list = dataclasses.field(default_factory=list)
     feeds: dict = dataclasses.field(default_factory=dict)
+    draws: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
