@@ -26,8 +26,8 @@ takes it further down, and the accuracy up. Exactly `--masked` positions per
 sequence are masked, so the loss is a mean over examples and micro-batching
 computes the same update as the whole batch.
 
-Embedding gradients are made dense (`communication.sparse_as_dense`), as EPL
-needs for now.
+The embedding's gradient stays sparse (indexed slices): it is accumulated over
+the micro-batches and gathered over the pipelines as rows, not densified.
 
     python examples/bert_pipeline.py [--steps 300] [--batch 8] [--micro-batches 4]
         [--devices 2] [--strategy PreferBackward|PreferForward] [--layers 4]
@@ -163,7 +163,6 @@ def main(argv=None) -> dict:
     epl.init(epl.Config({"cluster.virtual_devices": args.devices,
                          "pipeline.num_micro_batch": args.micro_batches,
                          "pipeline.strategy": args.strategy,
-                         "communication.sparse_as_dense": True,
                          "debug.log_level": "INFO"}))
     with tf.Graph().as_default():
         tokens, positions, targets = tf.compat.v1.data.make_one_shot_iterator(

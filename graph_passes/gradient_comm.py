@@ -153,6 +153,9 @@ class GradientCommPass(GraphPass):
                     reduced_of[var.name] = reduced_of.get(var.name, 0) + 1
         else:
             reduced_of = {var.name: 1 for var, _, _ in per_gradient}
+            for _, grads, original in per_gradient:   # one replica: its own sparse gradient
+                if isinstance(grads[0], tf.IndexedSlices):
+                    _rewire_sparse(original, grads[0].values, grads[0].indices)
         reduced_of.update(sharded)
         ctx.artifacts[self.name] = reduced_of
         added = [op.name for op in graph.get_operations()[first_new:]]
@@ -179,13 +182,20 @@ class GradientCommPass(GraphPass):
             if communicator.cross is not None:
                 all_values = communicator.cross.all_gather(all_values)
                 all_indices = communicator.cross.all_gather(all_indices)
-            # every replica's rows: more than the template's when each replica drew a
-            # batch of the script's size (io.batch_mode "replica")
-            all_values = with_dynamic_rows(all_values, original.values)
-            all_indices = with_dynamic_rows(all_indices, original.indices)
-        for old, new in ((original.values, all_values), (original.indices, all_indices)):
-            for consumer in [c for c in old.consumers() if _is_apply(c)]:
-                replace_input(consumer, old, new)
+        _rewire_sparse(original, all_values, all_indices)
+
+
+def _rewire_sparse(original: tf.IndexedSlices, values: tf.Tensor, indices: tf.Tensor) -> None:
+    """The update ops read `values` and `indices` instead of the template's sparse
+    gradient. They may hold more rows than the template's (every replica's, or
+    every micro-batch's, each of the script's size under io.batch_mode
+    "replica"), so their static row count is left unknown."""
+    with tf.device(values.device), tf.name_scope("EPL_SPARSE"):
+        values = with_dynamic_rows(values, original.values)
+        indices = with_dynamic_rows(indices, original.indices)
+    for old, new in ((original.values, values), (original.indices, indices)):
+        for consumer in [c for c in old.consumers() if _is_apply(c)]:
+            replace_input(consumer, old, new)
 
 
 # -- dense buckets -------------------------------------------------------------

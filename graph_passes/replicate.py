@@ -284,4 +284,13 @@ def _place(graph, view, plan) -> None:
     for op in graph.get_operations():
         if op not in replica and not op.device:
             root = colocation_root(op)
-            op._set_device(root.device if root is not None and root.device else "/device:CPU:0")
+            taskgraph = view.taskgraph_of.get(op)
+            if root is not None and root.device:
+                op._set_device(root.device)
+            elif taskgraph is not None and taskgraph.name in plan.devices and \
+                    view.phase_of.get(op) in (Phase.FORWARD, Phase.BACKWARD, Phase.APPLY):
+                # a step op the step no longer runs (one the amp pass replaced): with its
+                # stage, where the template ops colocated with it are
+                op._set_device(plan.device(taskgraph, 0))
+            else:
+                op._set_device("/device:CPU:0")

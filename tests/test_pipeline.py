@@ -644,3 +644,90 @@ def test_stages_sized_to_devices_train_like_single_device(epl_env):
                                    if op.type == "ResourceApplyAdam")
     assert by_stage["stage_0"] > by_stage["stage_1"]   # the fast device holds more layers
     assert_same(result, expected)
+
+
+# --------------------------------------------------------------------------
+# Embeddings (sparse gradients) and AMP in pipeline stages
+# --------------------------------------------------------------------------
+
+
+def _embedding_pipeline(scoped: bool, rows: int):
+    """An embedding lookup of a variable in stage 0 (a sparse gradient, accumulated
+    over micro-batches as indexed slices), dense layers after it."""
+    scope = (lambda s: epl.replicate(device_count=1, name=f"stage_{s}")) if scoped \
+        else (lambda s: contextlib.nullcontext())
+    rng = np.random.RandomState(5)
+    ids = tf.compat.v1.placeholder(tf.int32, [rows, 6])
+    labels = tf.compat.v1.placeholder(tf.float32, [rows, NUM_CLASSES])
+    with scope(0):
+        table = tf.compat.v1.get_variable(
+            "table", initializer=(rng.randn(30, D_MODEL) * 0.5).astype(np.float32))
+        h = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+        h = tf.compat.v1.layers.dense(h, D_FF, activation=tf.tanh, name="hidden",
+                                      kernel_initializer=tf.constant_initializer(
+                                          rng.randn(D_MODEL, D_FF) * 0.3))
+    with scope(1):
+        logits = tf.compat.v1.layers.dense(h, NUM_CLASSES, name="logits",
+                                           kernel_initializer=tf.constant_initializer(
+                                               rng.randn(D_FF, NUM_CLASSES) * 0.3))
+        loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=labels,
+                                                                      logits=logits))
+    data = np.random.RandomState(6)
+    feed = {ids: data.randint(0, 30, (BATCH, 6)),
+            labels: np.eye(NUM_CLASSES, dtype=np.float32)[data.randint(0, NUM_CLASSES, BATCH)]}
+    return loss, feed
+
+
+def _train_embedding_pipeline(config):
+    env.reset()
+    if config is not None:
+        epl.init(epl.Config({"debug.check_invariants": True, **config}))
+    rows = BATCH // units_per_step(2)
+    with tf.Graph().as_default() as graph:
+        loss, feed = _embedding_pipeline(config is not None, rows)
+        train_op = tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss)
+        with tf.compat.v1.Session(config=_session_config()) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [float(sess.run([train_op, loss], feed)[1]) for _ in range(STEPS)]
+            variables = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+                         if not v.op.name.startswith("EPL_")]
+            values = dict(zip([v.op.name for v in variables], sess.run(variables)))
+    env.reset()
+    return Trained(losses, values, graph)
+
+
+@pytest.mark.parametrize("devices,strategy", [(2, "PreferBackward"), (2, "PreferForward"),
+                                              (4, "PreferBackward")])
+def test_embedding_in_a_stage_with_the_default_config(devices, strategy):
+    """A tf.gather/embedding_lookup of a variable in a pipeline stage trains like one
+    device without communication.sparse_as_dense: its sparse gradient is accumulated
+    over the micro-batches (and gathered over the pipelines) as indexed slices."""
+    expected = _train_embedding_pipeline(None)
+    result = _train_embedding_pipeline({"cluster.virtual_devices": devices,
+                                        "pipeline.num_micro_batch": 2,
+                                        "pipeline.strategy": strategy})
+    assert_same(result, expected)
+    assert isinstance(parallel_graph(result.graph).view.gradients[0][0], tf.IndexedSlices)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 128.0])
+def test_amp_with_pipeline_stages(loss_scale):
+    """AMP O1 with two stages and micro-batches (fixed and dynamic loss scale): the
+    lowered stages run on their devices, within float16's tolerance of one device."""
+    expected = _train_embedding_pipeline(None)
+    result = _train_embedding_pipeline({"cluster.virtual_devices": 2,
+                                        "pipeline.num_micro_batch": 2, "amp.level": "O1",
+                                        "amp.loss_scale": loss_scale})
+    # Adam moves a weight whose gradient is near zero by about the learning rate
+    # whatever the gradient's rounding (tests/test_amp.py): 90% of each variable's
+    # elements within float16's tolerance, all within learning rate x steps
+    for name, value in expected.variables.items():
+        if "power" in name or not np.issubdtype(np.asarray(value).dtype, np.floating):
+            continue
+        actual = result.variables[name]
+        assert np.isclose(actual, value, rtol=1e-2, atol=1e-3).mean() >= 0.9, name
+        assert np.max(np.abs(actual - value)) <= 0.01 * STEPS, name
+    np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-2, atol=1e-3)
+    matmuls = [op for op in result.graph.get_operations() if op.type == "MatMul"
+               and op.get_attr("T") == tf.float16 and "_epl_replica" in op.node_def.attr]
+    assert {op.device for op in matmuls} == {"/device:CPU:0", "/device:CPU:1"}
