@@ -862,7 +862,7 @@ class ReplicatePass(GraphPass):
                 continue
             parts = [m[tensor.op].outputs[tensor.value_index] for m in unit_maps]
             with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
-                merged[tensor] = _merge(parts, weights, kind, communicator)
+                merged[tensor] = _merge(parts, weights, kind, communicator, tensor.name)
             for consumer in list(tensor.consumers()):
                 if (consumer not in devices or consumer.type in SUMMARY_TYPES) \
                         and tensor.shape == merged[tensor].shape:
@@ -884,7 +884,7 @@ class ReplicatePass(GraphPass):
         with tf.name_scope("EPL_SYNC"):
             for var, copies in mirrors.items():
                 with tf.device(var.device):
-                    value = cross.broadcast(_read(var), 0)
+                    value = cross.broadcast(_read(var), 0, label=var.name)
                     assigns = [_assign(var, value)]
                 for copy in copies[1:]:
                     with tf.device(copy.device):
@@ -1062,7 +1062,7 @@ def _merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
                 continue
             with tf.device(loss.device):
                 share = tf.add_n([tf.cast(w, loss.dtype) for w in weights])
-                merged[loss] = cross.all_reduce(share * loss, "sum")
+                merged[loss] = cross.all_reduce(share * loss, "sum", label=loss.name)
     return merged
 
 
@@ -1110,17 +1110,19 @@ def _shape_node(const: tf.Operation, source: str, source_dtype: tf.DType, name: 
     return node
 
 
-def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf.Tensor:
-    """Merge per-replica values; across workers too (every worker must fetch it)."""
+def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator,
+           label: str | None = None) -> tf.Tensor:
+    """Merge per-replica values; across workers too (every worker must fetch it).
+    label: the merged tensor's name (it names the cross-worker collective)."""
     cross = communicator.cross
     if kind == "concat":
         local = tf.concat(parts, axis=0)
-        return cross.all_gather(local) if cross is not None else local
+        return cross.all_gather(local, label=label) if cross is not None else local
     if kind == "sum":
         local = tf.add_n(parts)
     else:  # weights are shares of the global batch, so the sum over workers is the mean
         local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
-    return cross.all_reduce(local, "sum") if cross is not None else local
+    return cross.all_reduce(local, "sum", label=label) if cross is not None else local
 
 
 def _local_sync_ops(mirrors: dict) -> dict:

@@ -20,11 +20,7 @@ from tensorflow.python.client import session as session_lib
 from epl.ir.graph_view import ancestors
 from epl.ir.taskgraph import graph_state
 from epl.parallel import ParallelGraph, needs_parallelize, parallelize
-
-# Op types that read a variable without changing it.
-READ_ONLY_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
-                             "Identity", "VariableShape", "ResourceGather", "ResourceGatherNd",
-                             "DestroyResourceOp", "SaveV2", "Save", "SaveSlices"})
+from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
 _ORIGINAL = {}
 
 
@@ -65,6 +61,32 @@ class _RunPlan:
         self.trains = any(t in result.view.train_ops for t in targets if t is not None)
         self.sync = [result.sync_ops[v] for v in written if v in result.sync_ops]
         self.gather = [result.gather_ops[v] for v in _read_variables(result, targets)]
+        self.guards = _guards(result, fetches, targets, self) \
+            if result.cluster.num_workers > 1 else {}
+
+
+class _Guard:
+    """What bounding one run of a multi-worker graph needs (epl.runtime.guarded_run)."""
+
+    def __init__(self, collectives: list, training: bool, fetch_names: list[str]):
+        self.collectives, self.training, self.fetch_names = collectives, training, fetch_names
+
+
+def _guards(result: ParallelGraph, fetches, targets, plan: "_RunPlan") -> dict:
+    """{"gather"/"fetch"/"sync": _Guard} of a plan's runs: their cross-worker
+    collectives [(op name, what it carries)], in creation order."""
+    from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
+    from epl.runtime.horovod_comm import collective_label
+
+    def collectives(ops):
+        found = [op for op in ancestors([op for op in ops if op is not None])
+                 if op.type in HOROVOD_COLLECTIVE_TYPES]
+        return [(op.name, collective_label(op)) for op in sorted(found, key=lambda o: o._id)]
+
+    names = [getattr(f, "name", None) or str(f) for f in _leaves(fetches)]
+    return {"gather": _Guard(collectives(plan.gather), False, ["(gathers before a save)"]),
+            "fetch": _Guard(collectives(targets), plan.trains, names),
+            "sync": _Guard(collectives(plan.sync), False, ["(variable sync after a write)"])}
 
 
 def _as_op(graph, fetch):
@@ -108,17 +130,18 @@ def _leaves(fetches) -> list:
 
 
 def _written_variables(result: ParallelGraph, targets) -> list:
-    """Original mirrored variables that ops outside the training step write."""
+    """Original mirrored variables that ops outside the training step write
+    (reads, such as a hook's `cond` on the global step, are not writes)."""
     originals = {var.outputs[0]: var for var in result.sync_ops}
     if not originals:
         return []
     written = []
     for op in ancestors(targets):
-        if op.type in READ_ONLY_TYPES or op in result.view.step_ops:
+        if op in result.view.step_ops:
             continue
-        for tensor in op.inputs:
+        for index, tensor in enumerate(op.inputs):
             var = originals.get(tensor)
-            if var is not None and var not in written:
+            if var is not None and var not in written and writes_variable(op, index):
                 written.append(var)
     return sorted(written, key=lambda v: v._id)
 
@@ -161,11 +184,11 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
             and plan.trains:
         _check_gradients(self, result, feed_dict)
     if plan.gather:
-        _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather))
+        _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
     values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
-                                                      run_metadata))
+                                                      run_metadata), self, plan, "fetch")
     if plan.sync:
-        _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
+        _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync), self, plan, "sync")
     return values
 
 
@@ -180,31 +203,53 @@ def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:
         result.gradient_check_max_diff)
 
 
-def _bounded(result: ParallelGraph, run):
-    """Run `run()`; with several workers, fail instead of waiting forever.
-
-    A worker that dies makes horovodrun stop the others; one that stalls
-    (alive but not reaching the next collective) would block the others'
-    Horovod ops, which cannot be cancelled. So each run of a multi-worker
-    graph is bounded by communication.collective_timeout_s.
-    """
+def _bounded(result: ParallelGraph, run, session, plan: _RunPlan, part: str):
+    """Run `run()`, one of `plan`'s runs (`part`: "gather", "fetch" or "sync"); with
+    several workers, compared with the other workers' first, bounded by
+    communication.collective_timeout_s and explained when it fails
+    (epl.runtime.guarded_run)."""
     if result.cluster.num_workers == 1:
         return run()
-    from epl.runtime.collective_check import call_with_timeout
-    timeout = result.timeout_s
-    return call_with_timeout(run, timeout, (
-        f"worker {result.cluster.worker_rank} of {result.cluster.num_workers}: a training step "
-        f"did not finish within {timeout:g} s (communication.collective_timeout_s): another "
-        "worker stalled or died before reaching the same collective; see its output"))
+    from epl.runtime.guarded_run import guarded_run
+    guard = plan.guards[part]
+    return guarded_run(run, timeout_s=result.timeout_s, collectives=guard.collectives,
+                       training=guard.training, step_reader=_step_reader(session),
+                       fetch_names=guard.fetch_names,
+                       agreed=result.__dict__.setdefault("_epl_agreed_runs", set()))
+
+
+def _step_reader(session):
+    """A function reading the global step of `session`'s graph (None: it has none)."""
+    cached = session.__dict__.get("_epl_step_reader", False)
+    if cached is not False:
+        return cached
+    step = tf.compat.v1.train.get_global_step(session.graph)
+    reader = None if step is None else (lambda: _ORIGINAL["run"](session, step))
+    session.__dict__["_epl_step_reader"] = reader
+    return reader
+
+
+def _session_close(self):
+    """Before a multi-worker session closes, note its global step: a peer that
+    outlives this worker says after which step it left (epl.runtime.worker_status)."""
+    graph = getattr(self, "_graph", None)
+    result = parallel_graph(graph) if graph is not None and not getattr(self, "_closed", True) \
+        else None
+    if result is not None and result.cluster.num_workers > 1:
+        from epl.runtime.worker_status import STATUS
+        STATUS.read_step()
+    return _ORIGINAL["close"](self)
 
 
 def install() -> None:
-    """Wrap BaseSession.__init__/run and Scaffold.finalize (idempotent)."""
+    """Wrap BaseSession.__init__/run/close and Scaffold.finalize (idempotent)."""
     if _ORIGINAL:
         return
     base = session_lib.BaseSession
     scaffold = tf.compat.v1.train.Scaffold
-    _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize)
+    _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize,
+                     close=base.close)
     base.__init__ = functools.wraps(_ORIGINAL["init"])(_session_init)
     base.run = functools.wraps(_ORIGINAL["run"])(_session_run)
+    base.close = functools.wraps(_ORIGINAL["close"])(_session_close)
     scaffold.finalize = functools.wraps(_ORIGINAL["finalize"])(_scaffold_finalize)
