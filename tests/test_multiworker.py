@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from multiworker import errors, horovodrun, require_horovod
+from multiworker import assert_matches_plain, errors, horovodrun, require_horovod, worker_module
 
 pytestmark = pytest.mark.multiworker
 require_horovod()
@@ -93,3 +93,35 @@ def test_split_group_spanning_workers_must_compute_the_loss(tmp_path):
                 "epl.split over 4 devices spans several workers, and classifier/add:0 (sharded) "
                 "is read where the whole tensor is needed, so it would have to be gathered "
                 "whole") in out, _errors(out)
+
+
+@pytest.mark.parametrize("mode", ["rank0", "every"])
+def test_checkpoints_kill_at_step_12_and_resume_from_10_match_plain_tensorflow(tmp_path, mode,
+                                                                              report):
+    """MonitoredTrainingSession with a checkpoint_dir on rank 0 only (Horovod's convention:
+    the restore reaches the other worker through EPL's broadcast) or on every rank;
+    worker 1 is SIGKILLed at global step 12; the job started again resumes from the
+    checkpoint of step 10 and ends at step 20 with the variables of plain TensorFlow
+    trained 20 steps on the same data (and of plain TensorFlow resumed from that
+    checkpoint)."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    killed = horovodrun("checkpoint_worker.py", mode, str(out), str(ckpt), "12")
+    assert killed.returncode != 0, errors(killed.stdout)
+    assert "rank 1 kills itself at step 12" in killed.stdout, errors(killed.stdout)
+    assert not list(out.iterdir())  # nobody finished
+    resumed = horovodrun("checkpoint_worker.py", mode, str(out), str(ckpt))
+    assert resumed.returncode == 0, errors(resumed.stdout)
+    common = worker_module("common")
+
+    def batches(step):
+        return [common.step_batch(step, rank) for rank in (0, 1)]
+
+    saved = ckpt if mode == "rank0" else ckpt / "rank0"
+    for rank in (0, 1):
+        record = json.loads((out / f"rank{rank}.json").read_text())
+        assert record["start"] == 10 and record["steps"] == list(range(10, 20)), record["steps"]
+        worst = assert_matches_plain(record["variables"], batches, 0, 20)
+        report(f"checkpoint {mode}, rank {rank}: kill at 12, resume from 10 vs plain TF 20 "
+               f"steps: largest difference {worst:.2f} x the noise-floor tolerance")
+        assert_matches_plain(record["variables"], batches, 10, 20, str(saved / "model.ckpt-10"))
