@@ -45,8 +45,20 @@ def test_initial_values_broadcast_from_worker_0(tmp_path):
 
 
 @pytest.mark.parametrize("mode,expected", [
-    ("extra_layer", "collectives differ between workers"),
-    ("shape", "collectives differ between workers: collective #"),
+    ("extra_layer", "collectives differ between workers: collective #3 is the broadcast of w2 "
+                    "(HorovodBroadcast 'EPL_SYNC/broadcast_4.w2' float32 [4, 1]) on worker 0 but "
+                    "the broadcast of extra (HorovodBroadcast 'EPL_SYNC/broadcast_4.extra' "
+                    "float32 [4, 4]) on worker 1"),
+    ("shape", "collectives differ between workers: collective #2 is the broadcast of w1 "
+              "(HorovodBroadcast 'EPL_SYNC/broadcast_3.w1' float32 [3, 4]) on worker 0 but the "
+              "broadcast of w1 (HorovodBroadcast 'EPL_SYNC/broadcast_3.w1' float32 [3, 6]) on "
+              "worker 1"),
+    ("fetch", "workers 0 and 1 run different cross-worker collectives in the same session.run: "
+              "worker 0 fetches [Mean:0, GradientDescent], worker 1 fetches [GradientDescent]; "
+              "fetched on worker 0 only: Mean:0; collectives on worker 0 only: the all-reduce of "
+              "Mean:0 ('EPL_MERGED/allreduce_2.Mean_0'). Every worker must fetch the tensors "
+              "merged over workers (the loss, EPL's merge collections) and the training ops in "
+              "the same runs; fetches that need no collective (a hook's global step) may differ"),
 ])
 def test_workers_with_different_graphs_fail_clearly(mode, expected):
     result = _horovodrun("mismatch_worker.py", mode, timeout=120)

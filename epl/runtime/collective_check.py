@@ -326,12 +326,13 @@ def run_difference(records: list[dict[str, Any]], labels: dict[str, str]) -> str
 
 
 def check_run_agrees(fetches: list[str], collectives: list[tuple[str, str]],
-                     timeout_s: float) -> None:
+                     timeout_s: float, graph: tf.Graph | None = None) -> None:
     """Before a session run whose cross-worker collectives this worker has not run
     before: compare them (and the fetches that lead to them) with every other
     worker's, so that different fetches fail on every worker before the step
     instead of hanging in it. collectives: [(op name, what it carries)].
-    Every worker must call it at the same point (it is itself a collective)."""
+    Every worker must call it at the same point (it is itself a collective).
+    graph: where the other workers' collectives are looked up to name them."""
     from epl.runtime.horovod_comm import horovod
 
     hvd = horovod()
@@ -341,6 +342,15 @@ def check_run_agrees(fetches: list[str], collectives: list[tuple[str, str]],
                          separators=(",", ":")).encode("utf-8")
     blobs = _exchange(payload, timeout_s, "the same session.run (the first run of these "
                       "fetches: %s)" % ", ".join(fetches))
-    message = run_difference([json.loads(b.decode("utf-8")) for b in blobs], dict(collectives))
+    records = [json.loads(b.decode("utf-8")) for b in blobs]
+    labels = dict(collectives)
+    for record in records:
+        for name in record["collectives"]:
+            if name not in labels and graph is not None:
+                try:
+                    labels[name] = collective_label(graph.get_operation_by_name(name))
+                except KeyError:
+                    pass
+    message = run_difference(records, labels)
     if message is not None:
         raise ClusterError(message)

@@ -37,14 +37,15 @@ _SHUTDOWN_GRACE_S = 5.0
 def guarded_run(run: Callable[[], Any], *, timeout_s: float,
                 collectives: list[tuple[str, str]], training: bool,
                 step_reader: Callable[[], int] | None, fetch_names: list[str],
-                agreed: set) -> Any:
+                agreed: set, graph: tf.Graph | None = None) -> Any:
     """Return ``run()`` (one session run of a multi-worker graph), or raise ClusterError.
 
     collectives: the run's cross-worker collectives, [(op name, what it
     carries)], in creation order; training: whether it is a training step;
     step_reader: reads the global step (None: the graph has none);
     fetch_names: the user's fetches, for the comparison's message; agreed: the
-    collective sets already compared (updated).
+    collective sets already compared (updated); graph: the graph run (to name
+    the other workers' collectives).
     """
     from epl.runtime.horovod_comm import horovod
 
@@ -52,7 +53,7 @@ def guarded_run(run: Callable[[], Any], *, timeout_s: float,
     status = worker_status.STATUS
     key = tuple(name for name, _ in collectives)
     if key and key not in agreed:
-        check_run_agrees(fetch_names, collectives, timeout_s)
+        check_run_agrees(fetch_names, collectives, timeout_s, graph)
         agreed.add(key)
     status.begin_run(collectives, training, step_reader)
     labels = dict(collectives)

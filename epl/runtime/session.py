@@ -215,7 +215,8 @@ def _bounded(result: ParallelGraph, run, session, plan: _RunPlan, part: str):
     return guarded_run(run, timeout_s=result.timeout_s, collectives=guard.collectives,
                        training=guard.training, step_reader=_step_reader(session),
                        fetch_names=guard.fetch_names,
-                       agreed=result.__dict__.setdefault("_epl_agreed_runs", set()))
+                       agreed=result.__dict__.setdefault("_epl_agreed_runs", set()),
+                       graph=result.graph)
 
 
 def _step_reader(session):
