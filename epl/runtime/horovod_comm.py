@@ -183,5 +183,5 @@ def _progress_marker(name: str, tensor: tf.Tensor) -> tf.Operation:
         return np.int64(0)
 
     with tf.device("/device:CPU:0"), tf.control_dependencies([tensor.op]):
-        return tf.compat.v1.py_func(mark, [], tf.int64, stateful=True,
-                                    name=f"EPL_submit_{name.split('.', 1)[0]}").op
+        return tf.numpy_function(mark, [], tf.int64, stateful=True,
+                                 name=f"EPL_submit_{name.split('.', 1)[0]}").op

@@ -9,10 +9,22 @@
   over the global batch), and after a run that wrote an original variable
   (initialization, restore, an assign) copies it into the replicas' mirrors;
   before a run that reads an original variable ZeRO shards (a save), gathers the shards into it.
+  Reads (a hook's `cond` on the global step) are not writes
+  (epl.runtime.variable_access).
+- With several workers every run is compared with the other workers' first
+  (the first time its collectives run), bounded by
+  `communication.collective_timeout_s` and explained when a worker stalls or
+  leaves (epl.runtime.guarded_run).
+- After a restore, the checkpoint and its global step are logged (and told to
+  epl-launch, which logs the step a restarted job resumed from).
 """
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import os
+import sys
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
@@ -21,6 +33,9 @@ from epl.ir.graph_view import ancestors
 from epl.ir.taskgraph import graph_state
 from epl.parallel import ParallelGraph, needs_parallelize, parallelize
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
+
+# Op types that restore variables from a checkpoint (a Saver's restore).
+RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 _ORIGINAL = {}
 
 
@@ -63,6 +78,8 @@ class _RunPlan:
         self.gather = [result.gather_ops[v] for v in _read_variables(result, targets)]
         self.guards = _guards(result, fetches, targets, self) \
             if result.cluster.num_workers > 1 else {}
+        self.restores = [op for op in ancestors([t for t in targets if t is not None])
+                         if op.type in RESTORE_TYPES]
 
 
 class _Guard:
@@ -189,7 +206,35 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
                                                       run_metadata), self, plan, "fetch")
     if plan.sync:
         _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync), self, plan, "sync")
+    if plan.restores:
+        _note_restore(self, plan, feed_dict)
     return values
+
+
+def _note_restore(session, plan: _RunPlan, feed_dict) -> None:
+    """After a restore: log the checkpoint and the global step it holds; under
+    epl-launch (EPL_LAUNCH_EVENTS set) also tell the launcher, which logs the step
+    a restarted job resumed from."""
+    path = _fed_value(feed_dict, plan.restores[0].inputs[0])
+    reader = _step_reader(session)
+    try:
+        step = int(reader()) if reader is not None else None
+    except (tf.errors.OpError, TypeError, ValueError):
+        step = None
+    logging.getLogger("epl").info("restored the variables from %s (global step %s)",
+                                  path or "a checkpoint", step)
+    if os.environ.get("EPL_LAUNCH_EVENTS"):
+        event = {"event": "restored", "global_step": step, "checkpoint": path}
+        print("epl-launch-event: " + json.dumps(event), file=sys.stderr, flush=True)
+
+
+def _fed_value(feed_dict, tensor: tf.Tensor) -> str | None:
+    """The string fed for `tensor` (a Saver feeds the checkpoint path), or None."""
+    for key, value in (feed_dict or {}).items():
+        if key is tensor or key == tensor.name or getattr(key, "name", None) == tensor.name:
+            value = value.decode() if isinstance(value, bytes) else value
+            return value if isinstance(value, str) else None
+    return None
 
 
 def _check_gradients(session, result: ParallelGraph, feed_dict) -> None:

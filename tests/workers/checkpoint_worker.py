@@ -11,17 +11,21 @@ MODE says who checkpoints (CheckpointSaverHook, every 5 steps):
   every  every worker gets its own checkpoint_dir (CKPT_DIR/rank<r>).
 
 KILL_AT (optional): rank KILL_RANK (default 1) SIGKILLs itself when the global
-step reaches KILL_AT, before running that step.
+step reaches KILL_AT, before running that step; only in a job that started
+from step 0 (a restarted job goes on), unless WHEN is "always".
 
 Each worker writes OUT_DIR/rank<r>.json: the global step it started from, the
 steps and losses it ran, and its variables at the end.
 
-usage: checkpoint_worker.py MODE OUT_DIR CKPT_DIR [KILL_AT [KILL_RANK]]
+Each worker prints "rank R step S <time>" after each step (for bench/recovery.py).
+
+usage: checkpoint_worker.py MODE OUT_DIR CKPT_DIR [KILL_AT [KILL_RANK [WHEN]]]
 """
 import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -59,6 +63,7 @@ def main():
     mode, out_dir, root = sys.argv[1], sys.argv[2], sys.argv[3]
     kill_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
     kill_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    always = len(sys.argv) > 6 and sys.argv[6] == "always"
     tf.compat.v1.disable_eager_execution()
     epl.init(epl.Config({"cluster.virtual_devices": 1, "communication.collective_timeout_s": 60}))
     rank = epl.Cluster.current().worker_rank
@@ -73,13 +78,14 @@ def main():
             record["start"] = int(sess.run(global_step))
             while not sess.should_stop():
                 step = int(sess.run(global_step))
-                if step == kill_at and rank == kill_rank:
+                if step == kill_at and rank == kill_rank and (always or record["start"] == 0):
                     print(f"rank {rank} kills itself at step {step}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 features, labels = step_batch(step, rank)
                 value, _ = sess.run([loss, train_op], {x: features, y: labels})
                 record["steps"].append(step)
                 record["losses"].append(float(value))
+                print(f"rank {rank} step {step} {time.time():.3f}", flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     env.reset()
