@@ -383,3 +383,15 @@ def test_no_restarts_left_fails_the_job(tmp_path):
     assert job.returncode == 137, errors(job.stdout)
     assert [line for line in job.text if line.startswith("epl-launch:")][-1] == \
         "epl-launch: no restarts left (--restarts 1)"
+
+
+@pytest.mark.multiworker
+def test_recovery_benchmark_quick(report):
+    """bench/recovery.py runs end to end (one repeat) and prints its ratio."""
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "recovery.py")
+    job = run_job([sys.executable, bench, "--quick"], 600)
+    assert job.returncode == 0, job.stdout[-3000:]
+    line = next(line for line in job.text if line.startswith("recovery: "))
+    assert re.fullmatch(r"recovery: automatic / manual restart time = [\d.]+ \(median of 1; "
+                        r"automatic [\d.]+ s, manual [\d.]+ s\)", line), line
+    report(line)

@@ -79,7 +79,7 @@ def main():
             while not sess.should_stop():
                 step = int(sess.run(global_step))
                 if step == kill_at and rank == kill_rank and (always or record["start"] == 0):
-                    print(f"rank {rank} kills itself at step {step}", flush=True)
+                    print(f"rank {rank} kills itself at step {step} {time.time():.3f}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 features, labels = step_batch(step, rank)
                 value, _ = sess.run([loss, train_op], {x: features, y: labels})
