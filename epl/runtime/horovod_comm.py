@@ -104,24 +104,31 @@ class HorovodCommunicator:
 
     def _call(self, kind: str, label: str | None, tensor: tf.Tensor, build,
               fragment: str | None = None):
-        """Create one collective: `build(name, tensor)` after a progress marker.
+        """Create one collective, `build(name, tensor)`, with its progress marker.
 
         The collective reads `tensor` through an Identity, which the marker
         waits for: a pass that later rewires the collective's input (to a
-        replica's copy) rewires the Identity, and the marker follows it.
+        replica's copy) rewires the Identity, and the marker follows it. The
+        collective does not wait for the marker (it is handed to Horovod at
+        once); its result does, so the marker always runs.
         """
         self._count += 1
         name = op_name(kind, self._count, fragment if fragment is not None else label)
         tensor = tf.identity(tensor)
         marker = _progress_marker(name, tensor)
-        with tf.control_dependencies([marker]):
-            result = build(name, tensor)
+        result = build(name, tensor)
         first = result[0] if isinstance(result, (list, tuple)) else result
         op = _horovod_op(first)
         if op is not None:
             words = "%s of %s" % (_KIND_WORDS.get(kind, kind), label) if label else kind
             op._set_attr(COLLECTIVE_ATTR, tf.compat.v1.AttrValue(s=words.encode()))
-        return result
+        with tf.control_dependencies([marker]):
+            marked = tf.identity(first)
+        if isinstance(result, tuple):
+            return (marked,) + tuple(result[1:])
+        if isinstance(result, list):
+            return [marked] + list(result[1:])
+        return marked
 
     def all_reduce(self, tensor: tf.Tensor, op: str = "sum", label: str | None = None,
                    fragment: str | None = None) -> tf.Tensor:
