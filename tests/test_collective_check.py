@@ -96,6 +96,8 @@ def test_call_with_timeout():
     assert call_with_timeout(lambda: 7, 5, "late") == 7
     with pytest.raises(ClusterError, match="^too slow$"):
         call_with_timeout(lambda: time.sleep(3), 0.2, "too slow")
+    with pytest.raises(ClusterError, match="^written when it ran out$"):  # a message function
+        call_with_timeout(lambda: time.sleep(3), 0.2, lambda: "written when it ran out")
     with pytest.raises(ValueError, match="inner"):
         call_with_timeout(lambda: (_ for _ in ()).throw(ValueError("inner")), 5, "late")
 
