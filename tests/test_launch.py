@@ -117,6 +117,8 @@ def test_horovodrun_options_are_passed_on(tmp_path):
      "epl-launch: script no_such_script.py not found (in %s): every worker would fail with "
      "\"can't open file\"\n" % os.getcwd()),
     (["-np", "2", "--restarts", "-1", "python"], "epl-launch: --restarts -1: give 0 or more\n"),
+    (["-np", "2", "--min-np", "1", "python"],
+     "epl-launch: --min-np 1 only applies to restarts; add --restarts N\n"),
     (["-np", "2", "--restarts", "1", "--min-np", "3", "python"],
      "epl-launch: --min-np 3: give a number of workers from 1 to -np (2)\n"),
 ])

@@ -318,6 +318,8 @@ def build(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     min_np = getattr(args, "min_np", None)
     if restarts < 0:
         raise LaunchError("--restarts %d: give 0 or more" % restarts)
+    if min_np is not None and not restarts:
+        raise LaunchError("--min-np %d only applies to restarts; add --restarts N" % min_np)
     if min_np is not None and not 1 <= min_np <= args.np:
         raise LaunchError("--min-np %d: give a number of workers from 1 to -np (%d)"
                           % (min_np, args.np))
