@@ -127,7 +127,8 @@ def horovodrun(script: str, *args: str, np: int = 2, timeout: float = JOB_TIMEOU
 
 def epl_launch(launch_args: list[str], command: list[str], timeout: float = JOB_TIMEOUT,
                env: dict | None = None) -> Job:
-    """`epl-launch LAUNCH_ARGS -- COMMAND` (a script name in tests/workers/ runs with this Python)."""
+    """`epl-launch LAUNCH_ARGS -- COMMAND` (a script name in tests/workers/ runs with
+    this Python)."""
     require_horovod()
     assert os.path.exists(EPL_LAUNCH), "epl-launch is not installed: run `make setup`"
     if command and command[0].endswith(".py"):
