@@ -355,7 +355,8 @@ def test_restart_after_a_kill_finishes_from_the_last_checkpoint(tmp_path, report
                              str(ckpt / "model.ckpt-10"))
     resumed, _ = job.first("restart 1: resumed from")
     report(f"epl-launch --restarts: kill at step 12 -> restored step 10 after "
-           f"{resumed - killed:.1f} s; job of 20 steps done {job.end - killed:.1f} s after the kill")
+           f"{resumed - killed:.1f} s; job of 20 steps done {job.end - killed:.1f} s after "
+           "the kill")
 
 
 @pytest.mark.multiworker

@@ -300,7 +300,8 @@ def build(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise LaunchError("no command to run; usage: epl-launch -np N [-H hosts] -- command args...")
+        raise LaunchError("no command to run; usage: epl-launch -np N [-H hosts] -- command "
+                          "args...")
     if args.np < 1:
         raise LaunchError("-np %d asks for no workers; give -np 1 or more" % args.np)
     hosts = args.hosts or "localhost:%d" % args.np

@@ -40,7 +40,7 @@ SAVE_EVERY = 5
 
 
 def checkpoint_dir(mode: str, root: str, rank: int):
-    """The checkpoint_dir worker `rank` passes to MonitoredTrainingSession (None: no checkpoints)."""
+    """The checkpoint_dir worker `rank` gives MonitoredTrainingSession (None: none)."""
     if mode == "rank0":
         return root if rank == 0 else None
     if mode == "every":
