@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "..", "tests", "workers", "checkpoint_worker.py")
 EPL_LAUNCH = os.path.join(os.path.dirname(sys.executable), "epl-launch")
 KILL_AT = 12
+RESUMED_AT = 10  # the last checkpoint before the kill (checkpoint_worker saves every 5 steps)
 _KILL = re.compile(r"rank 1 kills itself at step %d ([\d.]+)" % KILL_AT)
 _STEP = re.compile(r"rank \d step (\d+) ([\d.]+)")
 JOB_TIMEOUT_S = 300
@@ -56,11 +57,11 @@ def _kill_time(output: str) -> float:
 
 
 def _first_step_after(output: str, since: float) -> float:
-    """Clock of the first step of the restarted job: finished after `since` (the
-    kill), and before the step of the kill (a step the other worker finished as
-    it was being stopped does not count)."""
+    """Clock of the first step of the restarted job: the step of the checkpoint it
+    resumes from, finished after `since` (the kill); steps the other worker
+    finished just before it was stopped are later steps and do not count."""
     times = [float(t) for step, t in _STEP.findall(output)
-             if float(t) > since and int(step) < KILL_AT]
+             if float(t) > since and int(step) <= RESUMED_AT]
     if not times:
         raise SystemExit("recovery: no step finished after the restart:\n" + output[-3000:])
     return min(times)
