@@ -34,12 +34,34 @@ def init(config: Config | dict | None = None) -> Config:
             "epl.init was already called with a different config (keys that differ: "
             f"{', '.join(changed)}). Call epl.init once per process, before building the model; "
             "to change the config, start a new process.")
+    _check_no_step_built()
     from epl import hooks  # local import: hooks import the passes, which import this module
     hooks.install()
     _ENV["config"] = config
     from epl.logs import configure as configure_logging
     configure_logging(config.get("debug.log_level"))
     return config
+
+
+# Op types of an optimizer's variable updates (TensorFlow's training ops).
+_UPDATE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
+
+
+def _check_no_step_built() -> None:
+    """EPL records the training step when the optimizer builds it; a step built
+    before epl.init was not recorded, and EPL would leave it unparallelized (or
+    find "no training step"): say so now, naming it."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    updates = [op for op in graph.get_operations() if op.type.startswith(_UPDATE_PREFIXES)]
+    if updates:
+        raise ConfigError(
+            "epl.init() was called after the optimizer built the training step: the default "
+            "graph already has %d variable update%s (%s, type %s), made by minimize() or "
+            "apply_gradients() before EPL was initialized, so EPL did not record the step. "
+            "Call epl.init() first, then build the model and the optimizer step."
+            % (len(updates), "" if len(updates) == 1 else "s", updates[0].name, updates[0].type))
 
 
 def get_config() -> Config:

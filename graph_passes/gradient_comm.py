@@ -43,6 +43,7 @@ from tensorflow.python.framework import tensor_util
 from epl.ir.annotations import PHASE_ATTR, Phase
 from epl.ir.clone import NodeBatch, replace_input, with_dynamic_rows
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.runtime.horovod_comm import names_fragment, names_label
 
 MB = 1 << 20
 _INT32_MAX = 2 ** 31 - 1  # larger static dimensions make TensorFlow write shapes as int64
@@ -143,13 +144,16 @@ class GradientCommPass(GraphPass):
                     bucket_members.append([dense[i] for i in bucket.members])
             _reduce_buckets(graph, ctx.communicator,
                             [[per_gradient[i][1] for i in members] for members in bucket_members],
-                            replication.weights, method, even, fp16_scale)
+                            replication.weights, method, even, fp16_scale,
+                            [[per_gradient[i][0].name for i in members]
+                             for members in bucket_members])
             for members in bucket_members:
                 for i in members:
                     reduced_of[per_gradient[i][0].name] = reduced_of.get(per_gradient[i][0].name, 0) + 1
             for var, grads, original in per_gradient:
                 if isinstance(grads[0], tf.IndexedSlices):
-                    self._gather_sparse(ctx.communicator, grads, original, replication.weights, method)
+                    self._gather_sparse(ctx.communicator, grads, original, replication.weights,
+                                        method, var.name)
                     reduced_of[var.name] = reduced_of.get(var.name, 0) + 1
         else:
             reduced_of = {var.name: 1 for var, _, _ in per_gradient}
@@ -164,7 +168,7 @@ class GradientCommPass(GraphPass):
             f"{', fp16' if fp16_scale else ''})"])
 
     @staticmethod
-    def _gather_sparse(communicator, grads, original, weights, method):
+    def _gather_sparse(communicator, grads, original, weights, method, name=None):
         """Every replica gets all replicas' (weighted) rows of a sparse gradient.
 
         The update ops of every replica still read the original gradient's
@@ -180,8 +184,10 @@ class GradientCommPass(GraphPass):
             all_values = tf.concat(values, axis=0)  # TensorFlow copies the other replicas' rows
             all_indices = tf.concat(indices, axis=0)
             if communicator.cross is not None:
-                all_values = communicator.cross.all_gather(all_values)
-                all_indices = communicator.cross.all_gather(all_indices)
+                all_values = communicator.cross.all_gather(
+                    all_values, label=f"the gradient values of {name}")
+                all_indices = communicator.cross.all_gather(
+                    all_indices, label=f"the gradient indices of {name}")
         _rewire_sparse(original, all_values, all_indices)
 
 
@@ -208,16 +214,18 @@ def _rewire_sparse(original: tf.IndexedSlices, values: tf.Tensor, indices: tf.Te
 # fp16, the collective, split) are built through the Python API.
 
 def _reduce_buckets(graph: tf.Graph, communicator, buckets: list, weights: list, method: str,
-                    even: bool, fp16_scale: float | None) -> None:
+                    even: bool, fp16_scale: float | None, names: list | None = None) -> None:
     """Flatten, weight, reduce once, split back and rewire each bucket.
 
-    buckets: per bucket, per member gradient, its copy per replica.
+    buckets: per bucket, per member gradient, its copy per replica; names: per
+    bucket, its variables' names (they name the cross-worker collective).
     """
     replicas = len(buckets[0][0]) if buckets else 0
     grads_of = [[[member[k] for member in bucket] for k in range(replicas)] for bucket in buckets]
     vectors_of = _flatten(graph, grads_of)
-    reduced = [_reduce_flat(communicator, grads, vectors, weights, method, even, fp16_scale)
-               for grads, vectors in zip(grads_of, vectors_of)]
+    names = names or [None] * len(grads_of)
+    reduced = [_reduce_flat(communicator, grads, vectors, weights, method, even, fp16_scale, n)
+               for grads, vectors, n in zip(grads_of, vectors_of, names)]
     _reshape_and_rewire(graph, grads_of, reduced)
 
 
@@ -245,7 +253,8 @@ def _flatten(graph: tf.Graph, grads_of: list) -> list:
 
 
 def _reduce_flat(communicator, grads_of: list, vectors_of: list, weights: list, method: str,
-                 even: bool, fp16_scale: float | None) -> tuple[list, list | None]:
+                 even: bool, fp16_scale: float | None,
+                 names: list | None = None) -> tuple[list, list | None]:
     """Concatenate, weight, reduce once and split one bucket.
 
     grads_of / vectors_of: per replica, the bucket's gradients / their vectors.
@@ -266,7 +275,9 @@ def _reduce_flat(communicator, grads_of: list, vectors_of: list, weights: list, 
                 flat = tf.cast(flat * fp16_scale, tf.float16)
             flats.append(flat)
     op = "mean" if (method != "sum" and even) else "sum"
-    reduced = communicator.all_reduce(flats, devices, op=op)
+    label = {} if not names or communicator.num_workers == 1 else dict(
+        label="the gradients of " + names_label(names), fragment=names_fragment(names))
+    reduced = communicator.all_reduce(flats, devices, op=op, **label)
     parts_of = []
     for k, grads in enumerate(grads_of):
         with tf.device(devices[k]), tf.name_scope("EPL_FUSION"):

@@ -54,8 +54,9 @@ import tensorflow as tf
 
 from epl.ir import recompute
 from epl.ir.annotations import Phase
+from epl.ir.backward_copy import functional_backward
 from epl.ir.clone import NodeBatch, with_dynamic_rows
-from epl.ir.graph_view import colocation_root
+from epl.ir.graph_view import colocation_root, topological_order
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from graph_passes.replication import copies, inputs as batch_inputs, split_connection
 from graph_passes.replication.accumulate import accumulate
@@ -130,7 +131,11 @@ class ReplicatePass(GraphPass):
         checkpoints = ctx.artifacts.get("checkpoints")
         if checkpoints is None:
             checkpoints = select_checkpoints(view, config)
-        forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
+        # inputs before readers: creation order is not enough once autodiff added inputs
+        # to a forward op (v2 control flow's gradient gives the forward While the
+        # accumulators of its intermediates)
+        forward = topological_order(
+            [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD])
         apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
         devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
         _place(graph, view, plan)
@@ -146,8 +151,11 @@ class ReplicatePass(GraphPass):
         view, plan, micro = ctx.view, ctx.plan, setup.micro
         slices, mirrors, checkpoints = setup.inputs.tensors, setup.mirrors, setup.checkpoints
         all_units = [(k, m) for k in range(plan.num_replicas) for m in range(micro)]
+        # v2 control flow in the backward: its functions belong to the autodiff that
+        # built them, so every unit runs its own autodiff, on functions of its own
+        each_own = functional_backward(view, view.steps)
         forward_copies = copies.copy_forwards(view, plan, all_units, micro, setup.forward,
-                                              setup.inputs, mirrors)
+                                              setup.inputs, mirrors, own_functions=each_own)
         copied, autodiff_reasons = copies.copy_templates(view, plan, ctx, checkpoints, all_units,
                                                          micro, forward_copies, slices, mirrors)
         gradients, backward_ops = [], {}
@@ -160,7 +168,7 @@ class ReplicatePass(GraphPass):
                 key = copies.slice_shapes(slices, k * micro + m)
                 if unit in copied:  # the user's backward ops, copied (cheap)
                     per_micro.append(copied[unit][0])
-                elif key in built_by_shape:  # same shapes: copy that unit's backward (cheap)
+                elif key in built_by_shape and not each_own:  # same shapes: copy (cheap)
                     source, source_grads, source_ops = built_by_shape[key]
                     per_micro.append(copies.copy_backward(
                         view, plan, source, unit, micro, source_grads, source_ops,
@@ -170,7 +178,8 @@ class ReplicatePass(GraphPass):
                         view, plan, unit, micro, forward_copies[unit], mirrors, checkpoints))
                     built_by_shape[key] = (unit, per_micro[-1], graph.get_operations()[first:])
                 backward_ops[unit] = copied[unit][1] if unit in copied \
-                    else graph.get_operations()[first:]
+                    else copies.backward_only(graph.get_operations()[first:],
+                                              forward_copies[unit])
                 if checkpoints and unit == (0, 0) and \
                         ctx.config.get("gradient_checkpoint.check_gradients"):
                     # gradients without checkpointing, never run by the train op: the

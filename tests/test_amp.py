@@ -206,6 +206,7 @@ def test_amp_dynamic_loss_scale_refuses_reference_variables(models, epl_env):
         "tf.compat.v1.enable_resource_variables()), or set a fixed amp.loss_scale.")
 
 
+@pytest.mark.multiworker
 def test_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
     """2 workers x 2 devices under horovodrun: only worker 1's batch overflows."""
     from test_multiworker import _errors, _horovodrun

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
+pytestmark = pytest.mark.multiworker
 
 
 @pytest.mark.parametrize("script,expected", [

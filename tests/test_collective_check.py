@@ -8,9 +8,6 @@ without it. Every job is bounded by a subprocess timeout.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -23,27 +20,16 @@ from epl.errors import ClusterError
 from epl.runtime.collective_check import (call_with_timeout, check_collectives_agree,
                                           collective_fingerprint, first_difference)
 from epl.runtime.horovod_comm import horovod
+from multiworker import EPL_LAUNCH, HOROVODRUN, require_horovod, run_job
 
-BIN = os.path.dirname(sys.executable)
-HOROVODRUN = os.path.join(BIN, "horovodrun")
-EPL_LAUNCH = os.path.join(BIN, "epl-launch")
 JOB_TIMEOUT = 120
 
 
 def _run(command: list[str], timeout: float = JOB_TIMEOUT) -> tuple[int, str, float]:
-    """Run `command` in its own process group; kill the whole group if it overruns."""
-    assert os.path.exists(HOROVODRUN), "horovodrun missing: run `make setup` to build Horovod"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    start = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail("job overran %ss (hang?):\n%s" % (timeout, out[-4000:]))
-    return proc.returncode, out, time.monotonic() - start
+    """(exit code, output, seconds) of a job (tests/multiworker.run_job)."""
+    require_horovod()
+    job = run_job(command, timeout)
+    return job.returncode, job.stdout, job.elapsed
 
 
 # --------------------------------------------------------------------------
@@ -110,6 +96,8 @@ def test_call_with_timeout():
     assert call_with_timeout(lambda: 7, 5, "late") == 7
     with pytest.raises(ClusterError, match="^too slow$"):
         call_with_timeout(lambda: time.sleep(3), 0.2, "too slow")
+    with pytest.raises(ClusterError, match="^written when it ran out$"):  # a message function
+        call_with_timeout(lambda: time.sleep(3), 0.2, lambda: "written when it ran out")
     with pytest.raises(ValueError, match="inner"):
         call_with_timeout(lambda: (_ for _ in ()).throw(ValueError("inner")), 5, "late")
 
@@ -159,6 +147,7 @@ SCENARIOS_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.multiworker
 def test_two_workers_check_scenarios(tmp_path):
     script = tmp_path / "scenarios.py"
     script.write_text(SCENARIOS_SCRIPT)
@@ -220,6 +209,7 @@ TRAIN_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.multiworker
 def test_different_graphs_fail_fast_on_every_worker(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
@@ -237,6 +227,7 @@ def test_different_graphs_fail_fast_on_every_worker(tmp_path):
     assert elapsed < 60
 
 
+@pytest.mark.multiworker
 def test_worker_that_never_reaches_the_check_times_out(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)

@@ -117,6 +117,7 @@ def test_checkpoint_holds_full_slots_and_restores(models, epl_env, tmp_path):
         assert restored[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("sizes", ["8,8", "12,4"])
 def test_zero_two_workers_match_single_device(tmp_path, sizes):
     """2 workers x 2 devices: Adam's state in 4 shards, Horovod reduce-scatter/all-gather."""

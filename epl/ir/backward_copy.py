@@ -41,7 +41,8 @@ import numpy as np
 import tensorflow as tf
 
 from epl.ir.clone import OpCopier, copy_node_def
-from epl.ir.graph_view import colocation_root
+from epl.ir.annotations import Phase
+from epl.ir.graph_view import calls_functions, colocation_root
 
 _NUMERIC = frozenset({tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64})
 
@@ -51,7 +52,8 @@ class TemplateBackward:
 
     def __init__(self, view, steps):
         replica = set(view.replica_ops)
-        self.ops = [op for step in steps for op in step.backward_ops if op in replica]
+        self.ops = [op for step in steps for op in step.backward_ops
+                    if op in replica and view.phase_of[op] == Phase.BACKWARD]
         self.grads = [g for step in steps for g, _ in step.grads_and_vars if g is not None]
         self.constants = []  # (op, value, forward op it is colocated with or None)
         self._sources: dict = {}  # what OpCopier reads from each op, read once for every copy
@@ -70,6 +72,9 @@ class TemplateBackward:
             return "gradient checkpointing recomputes the forward pass inside the backward"
         if any(not step.backward_ops for step in steps):
             return "a step's backward ops were not recorded at gradient time"
+        if functional_backward(view, steps):
+            return ("the backward runs v2 control flow, whose functions refer to the "
+                    "template's ops; each unit runs its own autodiff")
         return None
 
     def constant_values(self, forward_map: dict) -> tuple[dict, str | None]:
@@ -124,6 +129,14 @@ class TemplateBackward:
             copy = op_map.get(tensor.op) or forward_map.get(tensor.op)
             return copy.outputs[tensor.value_index] if copy is not None else tensor
         return [mapped(g) for g in self.grads], [op_map[op] for op in self.ops]
+
+
+def functional_backward(view, steps) -> bool:
+    """True if a step's backward calls functions (the gradient of v2 control flow):
+    their bodies colocate with, and read, the forward ops of the autodiff that
+    built them, so no other unit can copy them."""
+    return any(calls_functions(op) for step in steps for op in step.backward_ops
+               if view.phase_of.get(op) == Phase.BACKWARD)
 
 
 class _NotCopyable(Exception):

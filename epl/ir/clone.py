@@ -40,9 +40,10 @@ import zlib
 from typing import Callable
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.client import pywrap_tf_session as c_api
-from tensorflow.python.framework import c_api_util
+from tensorflow.python.framework import c_api_util, function_def_to_graph
+from tensorflow.python.ops import control_flow_util_v2
 
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.ir.taskgraph import graph_state
@@ -301,6 +302,37 @@ def clone_ops(ops: list[tf.Operation], prefix: str, device_fn: Callable[[tf.Oper
     for op in ops:
         copier.copy(op)
     return copier.commit()
+
+
+def give_own_functions(op: tf.Operation, suffix: str) -> None:
+    """Point `op` (a copy of a v2 control-flow op: If, While, Case, a call) at
+    copies of the library functions it runs, named `<function>_<suffix>`.
+
+    Why: autodiff of v2 control flow rewrites the functions of the op it
+    differentiates (a While gains outputs for the intermediates its gradient
+    needs) and names the rewrite after the function; copies that shared one
+    function would each add a different rewrite under the same name. The
+    copies' functions are the same definitions under new names."""
+    for attr in op.op_def.attr:
+        if attr.type == "func":
+            name = op.get_attr(attr.name).name
+            op._set_func_attr(attr.name, _function_copy(op.graph, name, suffix))
+        elif attr.type == "list(func)":
+            names = [f.name for f in op.get_attr(attr.name)]
+            op._set_func_list_attr(attr.name, [_function_copy(op.graph, n, suffix) for n in names])
+
+
+def _function_copy(graph: tf.Graph, name: str, suffix: str) -> str:
+    """The name of a copy of library function `name`, added to `graph` once."""
+    new_name = f"{name}_{suffix}"
+    if graph._get_function(new_name) is None:
+        definition = function_pb2.FunctionDef()
+        definition.CopyFrom(graph._get_function(name).cached_definition)
+        definition.signature.name = new_name
+        with graph.as_default():
+            func_graph = function_def_to_graph.function_def_to_graph(definition)
+            control_flow_util_v2.create_new_tf_function(func_graph)
+    return new_name
 
 
 def with_dynamic_rows(tensor: tf.Tensor, like: tf.Tensor) -> tf.Tensor:

@@ -344,6 +344,10 @@ def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_regio
     processing = descendants([g for g, _ in gradients], within=step_ops)
     forward = loss_ancestors | descendants(batch_inputs)
     for op in ops:
+        # built by autodiff but computed before the loss: the accumulators v2 control
+        # flow's gradient adds as inputs of the forward While (its intermediates)
+        if phase_of.get(op) == Phase.BACKWARD and op in loss_ancestors:
+            phase_of[op] = Phase.FORWARD
         if op in phase_of:
             continue
         if op in processing:
@@ -376,6 +380,12 @@ def _untagged_updates(phase_of, step_ops, batch_region, tags) -> None:
         if phase_of[op] == Phase.OTHER and op not in batch_region \
                 and tags[op].type not in VARIABLE_OP_TYPES:
             phase_of[op] = Phase.APPLY
+
+
+def calls_functions(op: tf.Operation) -> bool:
+    """True for an op that runs functions of the graph's library (v2 control flow:
+    If, While, their stateless forms, Case, PartitionedCall)."""
+    return any(attr.type in ("func", "list(func)") for attr in op.op_def.attr)
 
 
 def _check_control_flow(replica_ops, describe, tags) -> None:

@@ -33,6 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ClusterError
+from epl.runtime import worker_status
+from epl.runtime.horovod_comm import collective_label
 
 # Horovod's graph-mode op types, i.e. the collectives between workers.
 HOROVOD_COLLECTIVE_TYPES = (
@@ -97,6 +99,7 @@ def collective_fingerprint(graph: tf.Graph) -> list[dict[str, Any]]:
             "shape": _shape(first) if first is not None else None,
             "group": _group(op),
             "inputs": [[t.dtype.name, _shape(t)] for t in payload],
+            "label": collective_label(op),
         })
     return entries
 
@@ -121,9 +124,12 @@ def _comparable(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe(entry: dict[str, Any]) -> str:
-    """One collective in words: ``HorovodAllreduce 'name' float32 [4, 3]``."""
+    """One collective in words: ``HorovodAllreduce 'name' float32 [4, 3]``, after what
+    it carries when EPL labelled it: ``the broadcast of w1 (HorovodBroadcast ...)``."""
     shape = entry.get("shape")
-    text = "%s '%s' %s %s" % (entry.get("kind"), entry.get("name"), entry.get("dtype"),
+    label = entry.get("label")
+    prefix = "the %s (" % label if label and label != entry.get("name") else ""
+    text = prefix + "%s '%s' %s %s" % (entry.get("kind"), entry.get("name"), entry.get("dtype"),
                               "<unknown rank>" if shape is None else
                               "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]")
     inputs = entry.get("inputs") or []
@@ -134,7 +140,7 @@ def describe(entry: dict[str, Any]) -> str:
             for dtype, shape in inputs))
     if entry.get("group", "all") != "all":
         text += " in process set %s" % entry.get("group")
-    return text
+    return text + (")" if prefix else "")
 
 
 _ADVICE = ("; every worker must build the same graph (same layers, strategy scopes and "
@@ -169,8 +175,10 @@ def first_difference(fingerprints: list[list[dict[str, Any]]]) -> str | None:
     return None
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float, message: str) -> Any:
-    """Return ``fn()``, or raise `ClusterError(message)` if it takes over `timeout_s` seconds.
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float,
+                      message: str | Callable[[], str]) -> Any:
+    """Return ``fn()``, or raise `ClusterError(message)` if it takes over `timeout_s` seconds
+    (`message` may be a function, called then, that writes the message).
 
     Horovod's ops cannot be cancelled (a session deadline,
     ``RunOptions.timeout_in_ms``, still waits for them to finish), so the
@@ -191,14 +199,16 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, message: str) -> 
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise ClusterError(message)
+        raise ClusterError(message() if callable(message) else message)
     if "error" in result:
         raise result["error"]
     return result["value"]
 
 
-def _exchange(payload: bytes, timeout_s: float) -> list[bytes]:
-    """All-gather `payload` (bytes of any length) from every worker; index = rank."""
+def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collectives_agree"
+              ) -> list[bytes]:
+    """All-gather `payload` (bytes of any length) from every worker; index = rank.
+    waiting_for: what the others did not reach, for the timeout's message."""
     from epl.runtime.horovod_comm import horovod
 
     hvd = horovod()
@@ -218,8 +228,8 @@ def _exchange(payload: bytes, timeout_s: float) -> list[bytes]:
         lengths, blob = call_with_timeout(
             lambda: sess.run([all_lengths, all_data], feed_dict=feed), timeout_s,
             "collective check timed out after %gs on worker %d of %d: some worker did not "
-            "reach check_collectives_agree (it crashed, hangs, or runs a different program); "
-            "see the other workers' output" % (timeout_s, hvd.rank(), hvd.size()))
+            "reach %s (it crashed, hangs, or runs a different program); "
+            "see the other workers' output" % (timeout_s, hvd.rank(), hvd.size(), waiting_for))
     except tf.errors.OpError as err:
         first = err.message.strip().splitlines()[0] if err.message else type(err).__name__
         raise ClusterError(
@@ -255,17 +265,92 @@ def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0) -> list[d
     hvd = horovod()
     if hvd.size() == 1:
         return fingerprint
-    payload = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    address = worker_status.STATUS.start(hvd.rank(), hvd.size())
+    payload = json.dumps({"collectives": fingerprint, "status_address": list(address)},
+                         sort_keys=True, separators=(",", ":")).encode("utf-8")
     blobs = _exchange(payload, timeout_s)
     if len(blobs) != hvd.size():
         raise ClusterError("collective check got %d fingerprints from %d workers"
                            % (len(blobs), hvd.size()))
     try:
-        fingerprints = [json.loads(blob.decode("utf-8")) for blob in blobs]
-    except ValueError as err:
+        records = [json.loads(blob.decode("utf-8")) for blob in blobs]
+        fingerprints = [record["collectives"] for record in records]
+        worker_status.STATUS.set_peers({rank: tuple(record["status_address"])
+                                        for rank, record in enumerate(records)})
+    except (ValueError, KeyError, TypeError) as err:
         raise ClusterError("collective check got a fingerprint it cannot read (%s); "
                            "do all workers run the same EPL version?" % err) from err
     message = first_difference(fingerprints)
     if message is not None:
         raise ClusterError(message)
     return fingerprint
+
+
+def run_difference(records: list[dict[str, Any]], labels: dict[str, str]) -> str | None:
+    """Compare what every worker is about to run (index = rank): ``{"fetches": [names],
+    "collectives": [op names]}``. Returns the error message, or None when every
+    worker runs the same cross-worker collectives (fetches that need none may differ)."""
+    reference = records[0]
+    for rank in range(1, len(records)):
+        other = records[rank]
+        if other["collectives"] == reference["collectives"]:
+            continue
+
+        def only(a, b, key):
+            return [x for x in a[key] if x not in b[key]]
+
+        def words(names):
+            return ", ".join("the %s ('%s')" % (labels.get(n, "collective"), n)
+                             for n in names) or "none"
+
+        fetched = []
+        for r, a, b in ((0, reference, other), (rank, other, reference)):
+            extra = only(a, b, "fetches")
+            if extra:
+                fetched.append("fetched on worker %d only: %s" % (r, ", ".join(extra)))
+        runs = []
+        for r, a, b in ((0, reference, other), (rank, other, reference)):
+            extra = only(a, b, "collectives")
+            if extra:
+                runs.append("collectives on worker %d only: %s" % (r, words(extra)))
+        if not runs:
+            runs.append("the same collectives in a different order")
+        return ("workers 0 and %d run different cross-worker collectives in the same "
+                "session.run: worker 0 fetches [%s], worker %d fetches [%s]; %s. Every worker "
+                "must fetch the tensors merged over workers (the loss, EPL's merge collections) "
+                "and the training ops in the same runs; fetches that need no collective (a "
+                "hook's global step) may differ"
+                % (rank, ", ".join(reference["fetches"]), rank, ", ".join(other["fetches"]),
+                   "; ".join(fetched + runs)))
+    return None
+
+
+def check_run_agrees(fetches: list[str], collectives: list[tuple[str, str]],
+                     timeout_s: float, graph: tf.Graph | None = None) -> None:
+    """Before a session run whose cross-worker collectives this worker has not run
+    before: compare them (and the fetches that lead to them) with every other
+    worker's, so that different fetches fail on every worker before the step
+    instead of hanging in it. collectives: [(op name, what it carries)].
+    Every worker must call it at the same point (it is itself a collective).
+    graph: where the other workers' collectives are looked up to name them."""
+    from epl.runtime.horovod_comm import horovod
+
+    hvd = horovod()
+    if hvd.size() == 1:
+        return
+    payload = json.dumps({"fetches": list(fetches), "collectives": [n for n, _ in collectives]},
+                         separators=(",", ":")).encode("utf-8")
+    blobs = _exchange(payload, timeout_s, "the same session.run (the first run of these "
+                      "fetches: %s)" % ", ".join(fetches))
+    records = [json.loads(b.decode("utf-8")) for b in blobs]
+    labels = dict(collectives)
+    for record in records:
+        for name in record["collectives"]:
+            if name not in labels and graph is not None:
+                try:
+                    labels[name] = collective_label(graph.get_operation_by_name(name))
+                except KeyError:
+                    pass
+    message = run_difference(records, labels)
+    if message is not None:
+        raise ClusterError(message)

@@ -189,27 +189,30 @@ class HierarchicalCommunicator(Communicator):
         """How many workers take part."""
         return self.cross.size if self.cross is not None else 1
 
-    def all_reduce(self, tensors, devices, op="sum"):
+    def all_reduce(self, tensors, devices, op="sum", label=None, fragment=None):
+        """As Communicator.all_reduce; `label` (and its op-name `fragment`): what the
+        tensors carry, for the cross-worker collective (epl.runtime.horovod_comm)."""
         if self.cross is None:
             return self.local.all_reduce(tensors, devices, op)
         local = self.local.all_reduce(tensors, devices, "sum")
         # Every member of a local collective must run, or the others wait forever:
         # the cross-worker step reads device 0's result after all of them.
         with tf.device(devices[0]), tf.control_dependencies(local[1:]):
-            total = self.cross.all_reduce(tf.identity(local[0]), "sum")
+            total = self.cross.all_reduce(tf.identity(local[0]), "sum", label=label,
+                                          fragment=fragment)
             if op == "mean":
                 total = total / tf.cast(len(devices) * self.num_workers, total.dtype)
         return [total] * len(devices)
 
-    def all_gather(self, tensors, devices):
+    def all_gather(self, tensors, devices, label=None):
         local = self.local.all_gather(tensors, devices) if len(tensors) > 1 else list(tensors)
         if self.cross is None:
             return local
         with tf.device(devices[0]), tf.control_dependencies(local[1:]):
-            total = self.cross.all_gather(tf.identity(local[0]))
+            total = self.cross.all_gather(tf.identity(local[0]), label=label)
         return [total] * len(devices)
 
-    def reduce_scatter(self, tensors, devices):
+    def reduce_scatter(self, tensors, devices, label=None):
         """Sum over every device of every worker; local device r of worker w gets
         slice w * R + r of R * W equal slices along axis 0 (R local devices, W
         workers): the order `all_gather` concatenates in, so the two are inverses.
@@ -231,14 +234,15 @@ class HierarchicalCommunicator(Communicator):
         for part, tensor, device in zip(parts, tensors, devices):
             rows = tensor.shape[0] // (workers * local)
             with tf.device(device):
-                mine = self.cross.reduce_scatter(tf.reshape(part, [workers, -1]), "sum")
+                mine = self.cross.reduce_scatter(tf.reshape(part, [workers, -1]), "sum",
+                                                 label=label)
                 outputs.append(tf.reshape(mine, [rows] + tensor.shape.as_list()[1:]))
         return outputs
 
-    def broadcast(self, tensor, devices):
+    def broadcast(self, tensor, devices, label=None):
         if self.cross is not None:
             with tf.device(devices[0]):
-                tensor = self.cross.broadcast(tensor, 0)
+                tensor = self.cross.broadcast(tensor, 0, label=label)
         return [tensor] * len(devices)
 
     def sum_over_workers(self, tensor: tf.Tensor) -> tf.Tensor:

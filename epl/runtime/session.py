@@ -9,11 +9,22 @@
   over the global batch), and after a run that wrote an original variable
   (initialization, restore, an assign) copies it into the replicas' mirrors;
   before a run that reads an original variable ZeRO shards (a save), gathers the shards into it.
+  Reads (a hook's `cond` on the global step) are not writes
+  (epl.runtime.variable_access).
+- With several workers every run is compared with the other workers' first
+  (the first time its collectives run), bounded by
+  `communication.collective_timeout_s` and explained when a worker stalls or
+  leaves (epl.runtime.guarded_run).
+- After a restore, the checkpoint and its global step are logged (and told to
+  epl-launch, which logs the step a restarted job resumed from).
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import sys
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
@@ -21,11 +32,10 @@ from tensorflow.python.client import session as session_lib
 from epl.ir.graph_view import ancestors
 from epl.ir.taskgraph import graph_state
 from epl.parallel import ParallelGraph, needs_parallelize, parallelize
+from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
 
-# Op types that read a variable without changing it.
-READ_ONLY_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
-                             "Identity", "VariableShape", "ResourceGather", "ResourceGatherNd",
-                             "DestroyResourceOp", "SaveV2", "Save", "SaveSlices"})
+# Op types that restore variables from a checkpoint (a Saver's restore).
+RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 _ORIGINAL = {}
 
 
@@ -66,6 +76,34 @@ class _RunPlan:
         self.trains = any(t in result.view.train_ops for t in targets if t is not None)
         self.sync = [result.sync_ops[v] for v in written if v in result.sync_ops]
         self.gather = [result.gather_ops[v] for v in _read_variables(result, targets)]
+        self.guards = _guards(result, fetches, targets, self) \
+            if result.cluster.num_workers > 1 else {}
+        self.restores = [op for op in ancestors([t for t in targets if t is not None])
+                         if op.type in RESTORE_TYPES]
+
+
+class _Guard:
+    """What bounding one run of a multi-worker graph needs (epl.runtime.guarded_run)."""
+
+    def __init__(self, collectives: list, training: bool, fetch_names: list[str]):
+        self.collectives, self.training, self.fetch_names = collectives, training, fetch_names
+
+
+def _guards(result: ParallelGraph, fetches, targets, plan: "_RunPlan") -> dict:
+    """{"gather"/"fetch"/"sync": _Guard} of a plan's runs: their cross-worker
+    collectives [(op name, what it carries)], in creation order."""
+    from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
+    from epl.runtime.horovod_comm import collective_label
+
+    def collectives(ops):
+        found = [op for op in ancestors([op for op in ops if op is not None])
+                 if op.type in HOROVOD_COLLECTIVE_TYPES]
+        return [(op.name, collective_label(op)) for op in sorted(found, key=lambda o: o._id)]
+
+    names = [getattr(f, "name", None) or str(f) for f in _leaves(fetches)]
+    return {"gather": _Guard(collectives(plan.gather), False, ["(gathers before a save)"]),
+            "fetch": _Guard(collectives(targets), plan.trains, names),
+            "sync": _Guard(collectives(plan.sync), False, ["(variable sync after a write)"])}
 
 
 def _as_op(graph, fetch):
@@ -109,17 +147,18 @@ def _leaves(fetches) -> list:
 
 
 def _written_variables(result: ParallelGraph, targets) -> list:
-    """Original mirrored variables that ops outside the training step write."""
+    """Original mirrored variables that ops outside the training step write
+    (reads, such as a hook's `cond` on the global step, are not writes)."""
     originals = {var.outputs[0]: var for var in result.sync_ops}
     if not originals:
         return []
     written = []
     for op in ancestors(targets):
-        if op.type in READ_ONLY_TYPES or op in result.view.step_ops:
+        if op in result.view.step_ops:
             continue
-        for tensor in op.inputs:
+        for index, tensor in enumerate(op.inputs):
             var = originals.get(tensor)
-            if var is not None and var not in written:
+            if var is not None and var not in written and writes_variable(op, index):
                 written.append(var)
     return sorted(written, key=lambda v: v._id)
 
@@ -164,16 +203,44 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
             and plan.trains:   # the first step then uses the batch the check drew
         feed_dict = {**(feed_dict or {}), **_check_gradients(self, result, feed_dict)}
     if plan.gather:
-        _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather))
+        _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
     if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
         options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
     values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
-                                                      run_metadata))
+                                                      run_metadata), self, plan, "fetch")
     if result.tracer is not None:
         result.tracer.after_run(run_metadata)
     if plan.sync:
-        _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync))
+        _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync), self, plan, "sync")
+    if plan.restores:
+        _note_restore(self, plan, feed_dict)
     return values
+
+
+def _note_restore(session, plan: _RunPlan, feed_dict) -> None:
+    """After a restore: log the checkpoint and the global step it holds; under
+    epl-launch (EPL_LAUNCH_EVENTS set) also tell the launcher, which logs the step
+    a restarted job resumed from."""
+    path = _fed_value(feed_dict, plan.restores[0].inputs[0])
+    reader = _step_reader(session)
+    try:
+        step = int(reader()) if reader is not None else None
+    except (tf.errors.OpError, TypeError, ValueError):
+        step = None
+    logging.getLogger("epl").info("restored the variables from %s (global step %s)",
+                                  path or "a checkpoint", step)
+    if os.environ.get("EPL_LAUNCH_EVENTS"):
+        event = {"event": "restored", "global_step": step, "checkpoint": path}
+        print("epl-launch-event: " + json.dumps(event), file=sys.stderr, flush=True)
+
+
+def _fed_value(feed_dict, tensor: tf.Tensor) -> str | None:
+    """The string fed for `tensor` (a Saver feeds the checkpoint path), or None."""
+    for key, value in (feed_dict or {}).items():
+        if key is tensor or key == tensor.name or getattr(key, "name", None) == tensor.name:
+            value = value.decode() if isinstance(value, bytes) else value
+            return value if isinstance(value, str) else None
+    return None
 
 
 def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
@@ -216,31 +283,54 @@ def _check_gradients(session, result: ParallelGraph, feed_dict) -> dict:
     return dict(zip(drawn, drawn_values))
 
 
-def _bounded(result: ParallelGraph, run):
-    """Run `run()`; with several workers, fail instead of waiting forever.
-
-    A worker that dies makes horovodrun stop the others; one that stalls
-    (alive but not reaching the next collective) would block the others'
-    Horovod ops, which cannot be cancelled. So each run of a multi-worker
-    graph is bounded by communication.collective_timeout_s.
-    """
+def _bounded(result: ParallelGraph, run, session, plan: _RunPlan, part: str):
+    """Run `run()`, one of `plan`'s runs (`part`: "gather", "fetch" or "sync"); with
+    several workers, compared with the other workers' first, bounded by
+    communication.collective_timeout_s and explained when it fails
+    (epl.runtime.guarded_run)."""
     if result.cluster.num_workers == 1:
         return run()
-    from epl.runtime.collective_check import call_with_timeout
-    timeout = result.timeout_s
-    return call_with_timeout(run, timeout, (
-        f"worker {result.cluster.worker_rank} of {result.cluster.num_workers}: a training step "
-        f"did not finish within {timeout:g} s (communication.collective_timeout_s): another "
-        "worker stalled or died before reaching the same collective; see its output"))
+    from epl.runtime.guarded_run import guarded_run
+    guard = plan.guards[part]
+    return guarded_run(run, timeout_s=result.timeout_s, collectives=guard.collectives,
+                       training=guard.training, step_reader=_step_reader(session),
+                       fetch_names=guard.fetch_names,
+                       agreed=result.__dict__.setdefault("_epl_agreed_runs", set()),
+                       graph=result.graph)
+
+
+def _step_reader(session):
+    """A function reading the global step of `session`'s graph (None: it has none)."""
+    cached = session.__dict__.get("_epl_step_reader", False)
+    if cached is not False:
+        return cached
+    step = tf.compat.v1.train.get_global_step(session.graph)
+    reader = None if step is None else (lambda: _ORIGINAL["run"](session, step))
+    session.__dict__["_epl_step_reader"] = reader
+    return reader
+
+
+def _session_close(self):
+    """Before a multi-worker session closes, note its global step: a peer that
+    outlives this worker says after which step it left (epl.runtime.worker_status)."""
+    graph = getattr(self, "_graph", None)
+    result = parallel_graph(graph) if graph is not None and not getattr(self, "_closed", True) \
+        else None
+    if result is not None and result.cluster.num_workers > 1:
+        from epl.runtime.worker_status import STATUS
+        STATUS.read_step()
+    return _ORIGINAL["close"](self)
 
 
 def install() -> None:
-    """Wrap BaseSession.__init__/run and Scaffold.finalize (idempotent)."""
+    """Wrap BaseSession.__init__/run/close and Scaffold.finalize (idempotent)."""
     if _ORIGINAL:
         return
     base = session_lib.BaseSession
     scaffold = tf.compat.v1.train.Scaffold
-    _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize)
+    _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize,
+                     close=base.close)
     base.__init__ = functools.wraps(_ORIGINAL["init"])(_session_init)
     base.run = functools.wraps(_ORIGINAL["run"])(_session_run)
+    base.close = functools.wraps(_ORIGINAL["close"])(_session_close)
     scaffold.finalize = functools.wraps(_ORIGINAL["finalize"])(_scaffold_finalize)

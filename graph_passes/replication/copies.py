@@ -30,13 +30,14 @@ from tensorflow.core.framework import node_def_pb2
 from epl.ir import recompute
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.backward_copy import TemplateBackward
-from epl.ir.clone import NodeBatch, OpCopier, clone_ops, replace_control_inputs, replace_input
-from epl.ir.graph_view import VARIABLE_OP_TYPES, colocation_root
+from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, give_own_functions,
+                          replace_control_inputs, replace_input)
+from epl.ir.graph_view import VARIABLE_OP_TYPES, calls_functions, colocation_root
 from graph_passes.replication.names import REPLICA_PREFIX, replica_attr, unit_prefix
 
 
 def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inputs=None,
-                  device_of=None) -> dict:
+                  device_of=None, own_functions: bool = False) -> dict:
     """Copy the forward ops for each unit (replica k, micro-batch m), reading its
     batch (`inputs`, a UnitInputs) and replica k's variables, onto replica k's
     devices; one import for all units. Returns {unit: {template op: its copy}}.
@@ -44,6 +45,9 @@ def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inpu
     extra_inputs: {template tensor: [its value per replica]} read instead of the
     template tensor (what split ops return to the replicas). device_of: op ->
     device for ops that do not follow their TaskGraph's replica device.
+    own_functions: give each unit's copies of v2 control-flow ops their own
+    copies of the library functions they run (epl.ir.clone.give_own_functions:
+    needed when each unit runs autodiff on its copy).
     A constant in `inputs.shape_constants` (a folded static shape of a
     batch-sized tensor, global mode) becomes a Shape op of the unit's copy of
     that tensor. Copies are named `EPL_REPLICA_<k>/` (plus
@@ -80,7 +84,13 @@ def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inpu
                 copier.copy(op)
         copier.close()
     created = batch.commit()
-    return {unit: copier.result(created) for unit, copier in copiers.items()}
+    copies = {unit: copier.result(created) for unit, copier in copiers.items()}
+    if own_functions:
+        for (k, m), op_map in copies.items():
+            for template, copy in op_map.items():
+                if calls_functions(template):
+                    give_own_functions(copy, f"epl_unit_{k * micro + m}")
+    return copies
 
 
 def regenerate_gradients(view, plan, unit, micro, forward_map, mirrors,
@@ -124,6 +134,27 @@ def regenerate_gradients(view, plan, unit, micro, forward_map, mirrors,
                      m if micro > 1 else None)
         grads_out.extend(grads)
     return grads_out
+
+
+def backward_only(new_ops: list, forward_map: dict) -> list:
+    """The ops a unit's autodiff created, less those that feed its forward copies,
+    which are retagged forward: v2 control flow's gradient gives the forward While
+    the accumulators of its intermediates as new inputs (run before the loss, so
+    the pipeline schedule must not order them after the forward)."""
+    created = set(new_ops)
+    stack = [t.op for op in forward_map.values() for t in op.inputs if t.op in created]
+    feeding = set()
+    while stack:   # the new ops a forward copy reads, and what they read of the new ops
+        op = stack.pop()
+        if op not in feeding:
+            feeding.add(op)
+            stack.extend(t.op for t in op.inputs if t.op in created)
+    if not feeding:
+        return list(new_ops)
+    phase = tf.compat.v1.AttrValue(s=Phase.FORWARD.value.encode())
+    for op in feeding:
+        op._set_attr(PHASE_ATTR, phase)
+    return [op for op in new_ops if op not in feeding]
 
 
 def copy_templates(view, plan, ctx, checkpoints, units, micro, forward_copies, slices,

@@ -59,7 +59,8 @@ from tensorflow.core.framework import graph_pb2
 from epl.errors import ParallelizeError
 from epl.ir.annotations import Phase
 from epl.ir.clone import COLOCATION_ATTR, NodeBatch, copy_node_def
-from epl.ir.graph_view import ITERATOR_OUTPUT_TYPES, PLACEHOLDER_TYPES, ancestors, descendants
+from epl.ir.graph_view import (ITERATOR_OUTPUT_TYPES, PLACEHOLDER_TYPES, ancestors,
+                               calls_functions, descendants)
 
 BATCH_MODE_KEY = "io.batch_mode"
 REPLICA_MODE, GLOBAL_MODE = "replica", "global"
@@ -227,9 +228,26 @@ def check_sliced_shapes(view, unit_rows: list[int]) -> None:
     forward = [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]
     if not forward:
         return
+    if any(rows != batch for rows in unit_rows):
+        _refuse_functions_on_the_batch(view, forward, batch)
     for rows in sorted(set(unit_rows)):
         if rows != batch:
             _check_slice(view, forward, batch, rows)
+
+
+def _refuse_functions_on_the_batch(view, forward: list, batch: int) -> None:
+    """v2 control flow (If, While, their functions) on the batch: the functions were
+    traced for the whole batch, and a slice cannot run through them."""
+    derived = descendants(view.batch_inputs)
+    calls = [op for op in forward if op in derived and calls_functions(op)]
+    if calls:
+        raise ParallelizeError(
+            f"io.batch_mode 'global' slices the batch of {batch} examples, but "
+            f"{view.describe_op(calls[0])} runs v2 control flow on it: its functions were "
+            f"built for the whole batch and cannot run on a slice"
+            + (f" ({len(calls) - 1} more such op(s))" if len(calls) > 1 else "") +
+            ". Use io.batch_mode 'replica' (the default: every replica runs them on a batch "
+            "of the script's size), or a batch dimension of None.")
 
 
 def _check_slice(view, forward: list, batch: int, rows: int) -> None:

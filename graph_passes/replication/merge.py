@@ -35,7 +35,7 @@ def merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dic
             continue
         parts = [m[tensor.op].outputs[tensor.value_index] for m in unit_maps]
         with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
-            merged[tensor] = _merge(parts, weights, kind, communicator)
+            merged[tensor] = _merge(parts, weights, kind, communicator, tensor.name)
         for consumer in list(tensor.consumers()):
             if (consumer not in devices or consumer.type in SUMMARY_TYPES) \
                     and tensor.shape == merged[tensor].shape:
@@ -43,17 +43,19 @@ def merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dic
     return merged
 
 
-def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator) -> tf.Tensor:
-    """Merge per-replica values; across workers too (every worker must fetch it)."""
+def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator,
+           label: str | None = None) -> tf.Tensor:
+    """Merge per-replica values; across workers too (every worker must fetch it).
+    label: the merged tensor's name (it names the cross-worker collective)."""
     cross = communicator.cross
     if kind == "concat":
         local = tf.concat(parts, axis=0)
-        return cross.all_gather(local) if cross is not None else local
+        return cross.all_gather(local, label=label) if cross is not None else local
     if kind == "sum":
         local = tf.add_n(parts)
     else:  # weights are shares of the global batch, so the sum over workers is the mean
         local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
-    return cross.all_reduce(local, "sum") if cross is not None else local
+    return cross.all_reduce(local, "sum", label=label) if cross is not None else local
 
 
 def merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
@@ -68,5 +70,5 @@ def merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
                 continue
             with tf.device(loss.device):
                 share = tf.add_n([tf.cast(w, loss.dtype) for w in weights])
-                merged[loss] = cross.all_reduce(share * loss, "sum")
+                merged[loss] = cross.all_reduce(share * loss, "sum", label=loss.name)
     return merged

@@ -51,7 +51,7 @@ def sync_ops(mirrors, communicator) -> dict:
     with tf.name_scope("EPL_SYNC"):
         for var, copies in mirrors.items():
             with tf.device(var.device):
-                value = cross.broadcast(_read(var), 0)
+                value = cross.broadcast(_read(var), 0, label=var.name)
                 assigns = [_assign(var, value)]
             for copy in copies[1:]:
                 with tf.device(copy.device):

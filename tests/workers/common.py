@@ -30,3 +30,14 @@ def write_record(out_dir: str, rank: int, record: dict) -> None:
     """The worker's results as OUT_DIR/rank<R>.json."""
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+
+
+STEP_BATCH = 8  # rows each worker feeds per step (checkpoint and restart scripts)
+
+
+def step_batch(step: int, rank: int, rows: int = STEP_BATCH, classes: int = 3, features: int = 6):
+    """The batch worker `rank` feeds at global step `step`: a pure function of both,
+    so a job resumed from a checkpoint feeds what a job that never stopped would."""
+    rng = np.random.RandomState(1000 * step + rank)
+    return (rng.randn(rows, features).astype(np.float32),
+            rng.randint(0, classes, rows).astype(np.int64))

@@ -1,7 +1,8 @@
 """Worker script: workers whose EPL graphs differ get a clear error, not a hang.
 
-usage: mismatch_worker.py MODE   (MODE: extra_layer | shape)
-Rank 1 adds a layer (extra_layer) or uses a wider hidden layer (shape).
+usage: mismatch_worker.py MODE   (MODE: extra_layer | shape | fetch)
+Rank 1 adds a layer (extra_layer), uses a wider hidden layer (shape), or
+fetches only the train op while rank 0 fetches the loss too (fetch).
 """
 import sys
 
@@ -28,7 +29,8 @@ def main():
     try:
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            sess.run(train, {x: np.ones([8, 3])})   # both replicas' batches of 4
+            fetches = [loss, train] if (mode == "fetch" and rank == 0) else [train]
+            sess.run(fetches, {x: np.ones([8, 3])})   # both replicas' batches of 4
     except epl.ClusterError as err:
         print(f"EPL-ERROR rank {rank}: {err}", flush=True)
         sys.exit(3)
