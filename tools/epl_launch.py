@@ -5,6 +5,9 @@
     epl-launch -np N [-H host1:slots,host2:slots] [--virtual-devices K]
                [--timeout S] [--] command args...
 
+EPL's own form, ``epl-launch --num_workers N --gpu_per_worker K script``, is
+rewritten into these options first (`tools/epl_launch_flags.py`).
+
 It wraps ``horovodrun --gloo`` (the one next to this Python, else the one on
 PATH) and adds what EPL's process model needs:
 
@@ -50,6 +53,11 @@ import subprocess
 import sys
 import threading
 from typing import Mapping, Sequence
+
+try:  # tools.* from a checkout, epl_tools.* when installed
+    from .epl_launch_flags import EplFlagError, translate_epl_flags
+except ImportError:  # run as a script: python tools/epl_launch.py
+    from epl_launch_flags import EplFlagError, translate_epl_flags
 
 PROG = "epl-launch"
 _TIMEOUT_KEY = "communication.collective_timeout_s"
@@ -310,8 +318,13 @@ def run(cmd: Sequence[str], env: dict[str, str], out=None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `epl-launch`; returns the exit code."""
     parser = _parser()
+    try:  # EPL's --num_workers/--gpu_per_worker, rewritten into this launcher's options
+        argv = translate_epl_flags(list(sys.argv[1:] if argv is None else argv))
+    except EplFlagError as err:
+        print("%s: %s" % (PROG, err), file=sys.stderr, flush=True)
+        return 2
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse's own usage errors exit 2 already
         return int(exc.code or 0)
     try:
