@@ -22,7 +22,8 @@ mode with the fix.
 `Env.get()` gives EPL's runtime view: `.config` (the active Config, None
 before `epl.init`) and `.cluster` (this worker's `epl.Cluster`: the one
 entered with ``with epl.Cluster(...)`` since the last `init`, else the one the
-runtime will use, computed when read; None before `epl.init`).
+runtime will use, computed when read; None before `epl.init` if none was
+entered).
 """
 from __future__ import annotations
 
@@ -118,8 +119,6 @@ def reset() -> None:
 
 def enter_cluster(cluster) -> None:
     """Make `cluster` the one `Env.get().cluster` returns until the next epl.init."""
-    if _ENV["config"] is None:
-        init()
     _ENV["cluster"] = cluster
 
 
@@ -142,17 +141,14 @@ class Env:
 
     @property
     def cluster(self):
-        """This worker's `epl.Cluster`, or None before epl.init.
-
-        The cluster entered with ``with epl.Cluster(...)`` since the last
-        epl.init, else the one the runtime uses (read when asked: the GPUs
-        TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
-        size).
-        """
-        if _ENV["config"] is None:
-            return None
+        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
+        since the last epl.init, else the one the runtime uses (read when asked: the
+        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
+        size); None before epl.init when none was entered."""
         if _ENV["cluster"] is not None:
             return _ENV["cluster"]
+        if _ENV["config"] is None:
+            return None
         from epl.cluster import local_cluster
         return local_cluster(_ENV["config"])
 

@@ -165,9 +165,12 @@ def test_cluster_with_worker_hosts_as_in_epl_tests():
 
 
 def test_cluster_before_init_uses_the_defaults():
-    cluster = epl.Cluster(worker_hosts="localhost:1", layout="auto")
-    assert (cluster.device_type, cluster.num_local_devices) == ("CPU", 4)
-    assert not env.is_initialized()
+    with epl.Cluster(worker_hosts="localhost:1", layout="auto") as cluster:
+        assert (cluster.device_type, cluster.num_local_devices) == ("CPU", 4)
+    assert not env.is_initialized()   # entering a cluster does not initialize EPL
+    assert epl.Env.get().cluster is cluster
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    assert epl.Env.get().cluster.num_local_devices == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
