@@ -44,6 +44,7 @@ def worker(side: str, steps: int, num_vars: int, out: str, gpu: bool = False) ->
         config = {"cluster.virtual_devices": 1}
         if side == "epl_unfused":
             config["communication.fusion_threshold_mb"] = 1e-6
+            config["communication.max_splits"] = 0   # no cap: one all-reduce per gradient
         epl.init(epl.Config(config))
         rank = epl.Cluster.current().worker_rank
     else:

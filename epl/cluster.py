@@ -5,6 +5,17 @@ TensorFlow graph: its GPUs where there are any, otherwise N virtual CPU devices
 created through the session config (`device_count={"CPU": N}`), N from
 `cluster.virtual_devices`. Workers beyond this one are filled in by the
 multi-worker runtime (rank and size come from Horovod when it is running).
+
+EPL's form, ``epl.Cluster(worker_hosts="h1:port,h2:port", worker_index=i)``
+(also as ``with epl.Cluster(...):``), describes the workers of the job. Here
+Horovod starts the workers and says how many there are and which one this is,
+so the stated hosts are checked against that (their count and this worker's
+index) instead of starting TensorFlow servers: a mismatch is a ClusterError
+saying how to launch the job. Without ``worker_hosts`` it is this worker's
+cluster, as the runtime sees it. EPL's names are properties: `worker_num`,
+`worker_index`, `gpu_num_per_worker`, `total_gpu_num`, `available_devices`
+(on a CPU-only worker the "GPUs" are the virtual CPU devices that stand for
+them).
 """
 from __future__ import annotations
 
@@ -14,20 +25,99 @@ import os
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from epl.errors import ClusterError
 
-@dataclasses.dataclass(frozen=True)
+_EPL_LAYOUTS = ("all", "auto", None)   # EPL's automatic device layouts
+_DEFAULT = object()   # EPL's default layout ("all"), told apart from an explicit one
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class Cluster:
     """The local devices of this worker and its place among the workers.
 
     device_type: "GPU" or "CPU".
     num_local_devices: devices this worker drives.
     worker_rank / num_workers: this worker's index and the worker count.
+    hosts: the worker hosts given in EPL's form (not compared).
+
+    `Cluster(device_type, num_local_devices, worker_rank=0, num_workers=1)`
+    states a cluster; `Cluster()` or EPL's keywords (`worker_hosts`,
+    `ps_hosts`, `job_name`, `worker_index`, `layout`) give this worker's
+    cluster as the runtime sees it, checked against the hosts given.
     """
 
     device_type: str
     num_local_devices: int
     worker_rank: int = 0
     num_workers: int = 1
+    hosts: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    def __init__(self, device_type: str | None = None, num_local_devices: int | None = None,
+                 worker_rank: int = 0, num_workers: int = 1, *,
+                 worker_hosts: str | None = None, ps_hosts: str | None = None,
+                 job_name: str = "worker", worker_index: int = 0, layout=_DEFAULT) -> None:
+        """See the class docstring; EPL's keywords are refused with a stated device type."""
+        epl_form = (worker_hosts is not None or ps_hosts is not None or job_name != "worker"
+                    or worker_index != 0 or layout is not _DEFAULT)
+        if device_type is not None:
+            if device_type not in ("CPU", "GPU"):
+                raise ClusterError(
+                    f"Cluster({device_type!r}, ...): the first argument is the device type, "
+                    "'CPU' or 'GPU'; for EPL's list of workers write "
+                    "epl.Cluster(worker_hosts='host1:port,host2:port', worker_index=i).")
+            if epl_form:
+                raise ClusterError(
+                    "Cluster: give either a device type and count or EPL's keywords "
+                    "(worker_hosts, ps_hosts, job_name, worker_index, layout), not both.")
+            if num_local_devices is None:
+                raise ClusterError(f"Cluster({device_type!r}): give the number of local devices "
+                                   "too, e.g. Cluster('CPU', 4).")
+            fields = (device_type, int(num_local_devices), int(worker_rank), int(num_workers), ())
+        else:
+            if num_local_devices is not None or worker_rank != 0 or num_workers != 1:
+                raise ClusterError("Cluster: give the device type with the device count, e.g. "
+                                   "Cluster('CPU', 4, worker_rank=0, num_workers=2).")
+            fields = _epl_cluster_fields(worker_hosts, ps_hosts, job_name, worker_index,
+                                         "all" if layout is _DEFAULT else layout)
+        for name, value in zip(("device_type", "num_local_devices", "worker_rank",
+                                "num_workers", "hosts"), fields):
+            object.__setattr__(self, name, value)
+
+    # EPL's names --------------------------------------------------------------
+    @property
+    def worker_num(self) -> int:
+        """EPL's name for the number of workers."""
+        return self.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        """EPL's name for this worker's index (its Horovod rank)."""
+        return self.worker_rank
+
+    @property
+    def gpu_num_per_worker(self) -> int:
+        """EPL's name for the devices each worker drives (GPUs, or virtual CPU devices)."""
+        return self.num_local_devices
+
+    @property
+    def total_gpu_num(self) -> int:
+        """EPL's name for the devices of all workers (workers x devices per worker)."""
+        return self.num_local_devices * self.num_workers
+
+    @property
+    def available_devices(self) -> list[str]:
+        """EPL's name for this worker's devices (`local_devices`: "/device:GPU:0", ...)."""
+        return self.local_devices
+
+    def __enter__(self) -> "Cluster":
+        """`with epl.Cluster(...)`: `epl.Env.get().cluster` is this cluster until the next
+        epl.init (it stays after the block, as in EPL)."""
+        from epl.env import enter_cluster
+        enter_cluster(self)
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        """Nothing to undo (EPL keeps the cluster in its Env)."""
 
     @staticmethod
     def current() -> "Cluster":
@@ -104,7 +194,7 @@ def use_logical_gpus(count: int, memory_limit_mb: int) -> None:
 
 def _horovod_rank_size() -> tuple[int, int]:
     """Rank and size when launched by horovodrun (or epl-launch), else (0, 1)."""
-    if os.environ.get("HOROVOD_RANK") is None and os.environ.get("OMPI_COMM_WORLD_RANK") is None:
+    if not _under_horovod():
         return 0, 1
     from epl.runtime.horovod_comm import horovod
     hvd = horovod()
@@ -122,3 +212,66 @@ def local_cluster(config) -> Cluster:
     if gpus:
         return Cluster("GPU", gpus, rank, size)
     return Cluster("CPU", int(config.get("cluster.virtual_devices")), rank, size)
+
+
+def _split_hosts(hosts: str, what: str) -> list[str]:
+    """"h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; an empty entry is a ClusterError."""
+    if not isinstance(hosts, str):
+        raise ClusterError(f"Cluster({what}={hosts!r}): give the hosts as one string, "
+                           "'host1:port,host2:port'.")
+    entries = [entry.strip() for entry in hosts.split(",")]
+    if not all(entries):
+        raise ClusterError(f"Cluster({what}={hosts!r}) has an empty host entry; write "
+                           "'host1:port,host2:port'.")
+    return entries
+
+
+def _epl_cluster_fields(worker_hosts, ps_hosts, job_name, worker_index, layout) -> tuple:
+    """The fields of EPL's `Cluster(worker_hosts=..., ...)`: this worker's cluster, checked
+    against the stated hosts. EPL counts parameter-server hosts as workers after the
+    worker hosts, and a "ps" task's index after theirs."""
+    if layout not in _EPL_LAYOUTS:
+        raise ClusterError(
+            f"Cluster(layout={layout!r}): EPL's planner places the TaskGraphs on devices; "
+            "only EPL's automatic layouts are accepted ('all', 'auto' or None).")
+    if job_name not in ("worker", "ps"):
+        raise ClusterError(f"Cluster(job_name={job_name!r}): the job is 'worker' (or 'ps', "
+                           "whose hosts EPL counts as workers).")
+    from epl.config import Config
+    from epl.env import Env
+    detected = local_cluster(Env.get().config or Config())
+    hosts: list[str] = []
+    if worker_hosts is None:
+        if ps_hosts is not None or worker_index != 0 or job_name != "worker":
+            raise ClusterError("Cluster: ps_hosts, job_name and worker_index describe the "
+                               "worker_hosts list; give worker_hosts='host1:port,...' too.")
+        return (detected.device_type, detected.num_local_devices, detected.worker_rank,
+                detected.num_workers, ())
+    hosts = _split_hosts(worker_hosts, "worker_hosts")
+    workers = len(hosts)
+    if ps_hosts:
+        hosts += _split_hosts(ps_hosts, "ps_hosts")
+    if isinstance(worker_index, bool) or not isinstance(worker_index, int):
+        raise ClusterError(f"Cluster(worker_index={worker_index!r}): give the index as an int.")
+    index = worker_index + (workers if job_name == "ps" else 0)
+    if not 0 <= index < len(hosts):
+        raise ClusterError(f"Cluster(worker_index={worker_index!r}) is not a position in the "
+                           f"{len(hosts)} hosts given (0 to {len(hosts) - 1}).")
+    if (len(hosts), index) != (detected.num_workers, detected.worker_rank):
+        launched = ("not launched by horovodrun or epl-launch (1 worker)"
+                    if detected.num_workers == 1 and not _under_horovod() else
+                    f"launched as worker {detected.worker_rank} of {detected.num_workers}")
+        raise ClusterError(
+            f"Cluster(worker_hosts=...) lists {len(hosts)} worker(s) and says this is worker "
+            f"{index}, but this process was {launched}. EPL's workers are Horovod's: start "
+            f"the job with `epl-launch -np {len(hosts)} -H <host:slots,...> python script.py` "
+            "(or horovodrun), which sets the worker count and each worker's index; the ports "
+            "in worker_hosts are not used.")
+    return (detected.device_type, detected.num_local_devices, detected.worker_rank,
+            detected.num_workers, tuple(hosts))
+
+
+def _under_horovod() -> bool:
+    """True when this process was started by horovodrun (or epl-launch)."""
+    return os.environ.get("HOROVOD_RANK") is not None or \
+        os.environ.get("OMPI_COMM_WORLD_RANK") is not None

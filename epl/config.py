@@ -6,19 +6,24 @@ dotted strings, ``"<section>.<key>"``, as in EasyParallelLibrary (EPL)::
     config = epl.Config({"pipeline.num_micro_batch": 4, "amp.level": "O1"})
     config.pipeline.num_micro_batch        # 4
     config.get("amp.level")                # "O1"
+    config.zero.level = "v1"               # EPL's attribute style, before epl.init
 
-Where a value comes from, lowest priority first:
+Where a value comes from, lowest priority first (EPL's order):
 
 1. the schema default;
-2. ``param_dict``, the dict given to `Config`;
-3. the environment variable ``EPL_<SECTION>_<KEY>`` (upper case, dots become
+2. the environment variable ``EPL_<SECTION>_<KEY>`` (upper case, dots become
    underscores, e.g. ``EPL_PIPELINE_NUM_MICRO_BATCH=4``), read once, when the
-   `Config` is built. EPL let ``param_dict`` win over the environment; here
-   the environment wins, so a launcher can override a script's settings.
+   `Config` is built;
+3. ``param_dict``, the dict given to `Config`: it wins over the environment,
+   as in EPL. When it overrides a variable that is set to another value, a
+   warning names both (a launcher's setting, such as ``epl-launch
+   --virtual-devices``, is then not what the script runs with);
+4. attribute assignment (``config.pipeline.num_micro_batch = 4``) after
+   construction, until `epl.init` takes the Config.
 
-Every value is checked against its key's type, allowed values and range; a
-bad value or an unknown key raises `epl.errors.ConfigError` naming the key,
-the bad value and what would be valid. Coercions:
+Every value is checked against its key's type, allowed values and range, also
+on assignment; a bad value or an unknown key raises `epl.errors.ConfigError`
+naming the key, the bad value and what would be valid. Coercions:
 
 - an int is accepted for a float key (stored as float); bools are never
   accepted as numbers, and numbers never as bools;
@@ -31,9 +36,14 @@ the bad value and what would be valid. Coercions:
   ``true``/``false``/``1``/``0`` (any case), numbers as Python literals,
   dicts and lists as JSON.
 
-A `Config` is immutable; `Config.updated` builds a new one with some values
-changed. `schema` lists every key with its type, default, allowed values and
-one-line doc; `format_schema` renders that list as a table.
+Mutability: a `Config` can be changed by assigning its keys until `epl.init`
+takes it; `epl.init` freezes it (`Config.freeze`), because the graphs built
+afterwards are annotated, rewritten and run under those values. Assigning a
+key of a frozen Config raises ConfigError saying how to change the config
+(a new Config and another `epl.init`). Only a frozen Config is hashable.
+`Config.updated` builds a new Config with some values changed. `schema` lists
+every key with its type, default, allowed values and one-line doc;
+`format_schema` renders that list as a table.
 """
 
 from __future__ import annotations
@@ -210,10 +220,13 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "Check the recomputed gradients against the gradients without "
             "checkpointing."),
     # zero
+    # EPL's v0 partitions the optimizer states only (gradients all-reduced); here
+    # 'v0' runs the same sharding as 'v1' (same updates, less memory and traffic).
     KeySpec("zero.level", "str", "",
             "ZeRO level: '' (off) or 'v1' (partition optimizer states and the "
-            "update across data-parallel replicas; gradients are reduce-scattered).",
-            allowed=("", "v1")),
+            "update across data-parallel replicas; gradients are reduce-scattered); "
+            "'v0' (EPL: optimizer states only) runs as 'v1'.",
+            allowed=("", "v0", "v1")),
     # offload
     KeySpec("offload.level", "str", "",
             "Weight offload level: '' (off) or 'v0' (keep all weights in CPU memory).",
@@ -255,9 +268,9 @@ _SCHEMA: tuple[KeySpec, ...] = (
             minimum=1),
     KeySpec("communication.sparse_as_dense", "bool", False,
             "Convert sparse gradients to dense tensors before communication."),
-    # EPL's default is 5; here 0 (no limit on the number of fusion groups).
-    KeySpec("communication.max_splits", "int", 0,
-            "Most groups gradients are fused into (0 = no limit).",
+    KeySpec("communication.max_splits", "int", 5,
+            "Most buckets the gradients of one device and dtype are fused into "
+            "(raises communication.fusion_threshold_mb where needed; 0 = no limit).",
             minimum=0),
     KeySpec("communication.fusion_threshold_mb", "float", 128.0,  # successor
             "Size in MiB at which a gradient fusion buffer is closed.",
@@ -512,19 +525,30 @@ class _UnknownAttributeError(ConfigError, AttributeError):
     """An unknown attribute of a Config or section (also an AttributeError for hasattr)."""
 
 
-class ConfigSection:
-    """The read-only values of one section, e.g. ``config.pipeline``.
+def _frozen_error(key: str, value: Any) -> ConfigError:
+    """The error for assigning a key of a Config that epl.init has taken."""
+    return ConfigError(
+        "Cannot set %s = %r: this Config is in use by epl.init, which froze it (the graphs "
+        "built since are annotated and rewritten under its values). Set keys before calling "
+        "epl.init, or build a new Config and call epl.init with it: graphs built after that "
+        "use the new values." % (key, _thaw(value)))
 
-    Keys are attributes (``config.pipeline.num_micro_batch``); `to_dict`
-    gives ``{name: value}`` for the section.
+
+class ConfigSection:
+    """The values of one section, e.g. ``config.pipeline``: a view of its Config.
+
+    Keys are attributes (``config.pipeline.num_micro_batch``); assigning one
+    (``config.zero.level = "v1"``) validates the value and changes the Config,
+    until `epl.init` freezes it. `to_dict` gives ``{name: value}`` for the
+    section.
     """
 
-    __slots__ = ("_name", "_values")
+    __slots__ = ("_config", "_name")
 
-    def __init__(self, name: str, values: Mapping[str, Any]) -> None:
-        """Wrap ``values`` ({key name: stored value}) of section ``name``."""
+    def __init__(self, config: "Config", name: str) -> None:
+        """A view of section ``name`` of ``config``."""
+        object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_values", dict(values))
 
     @property
     def name(self) -> str:
@@ -535,61 +559,66 @@ class ConfigSection:
         """Return the value of key ``attr`` of this section."""
         if attr.startswith("_"):
             raise AttributeError(attr)
+        key = "%s.%s" % (self._name, attr)
+        values = self._config._values
+        if key in values:
+            return values[key]
         try:
-            return self._values[attr]
-        except KeyError:
-            pass
-        try:
-            _lookup("%s.%s" % (self._name, attr))
+            _lookup(key)
         except ConfigError as error:
             raise _UnknownAttributeError(str(error)) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def __setattr__(self, attr: str, value: Any) -> None:
-        """Refuse: configuration is immutable."""
-        raise _immutable_error("%r" % ("%s.%s" % (self._name, attr)))
+        """Set key ``attr`` of this section (validated); refused once the Config is frozen."""
+        key = "%s.%s" % (self._name, attr)
+        try:
+            _lookup(key)
+        except ConfigError as error:
+            raise _UnknownAttributeError(str(error)) from None
+        self._config._set(key, value)
 
     def __delattr__(self, attr: str) -> None:
-        """Refuse: configuration is immutable."""
-        raise _immutable_error("%r" % ("%s.%s" % (self._name, attr)))
+        """Refuse: every key always has a value."""
+        raise ConfigError("Cannot delete config key '%s.%s': every key has a value; assign "
+                          "its default instead." % (self._name, attr))
 
     def __dir__(self) -> list[str]:
         """List the section's keys (for completion)."""
-        return sorted(set(super().__dir__()) | set(self._values))
+        return sorted(set(super().__dir__()) | set(_names(self._name)))
+
+    def _items(self) -> dict[str, Any]:
+        """{key name: stored value} of this section."""
+        values = self._config._values
+        return {spec.name: values[spec.key] for spec in _SECTIONS[self._name]}
 
     def to_dict(self) -> dict[str, Any]:
         """Return ``{key name: value}`` for this section, as plain dicts and lists."""
-        return {name: _thaw(value) for name, value in self._values.items()}
+        return {name: _thaw(value) for name, value in self._items().items()}
 
     def __eq__(self, other: object) -> bool:
         """Sections are equal when their names and all values are equal."""
         if not isinstance(other, ConfigSection):
             return NotImplemented
-        return self._name == other._name and self._values == other._values
+        return self._name == other._name and self._items() == other._items()
 
     def __hash__(self) -> int:
-        """Hash of the name and all values."""
-        return hash((self._name, _hashable(MappingProxyType(self._values))))
+        """Hash of the name and all values; only for a section of a frozen Config."""
+        self._config._check_hashable()
+        return hash((self._name, _hashable(MappingProxyType(self._items()))))
 
-    def __reduce__(self) -> tuple[Any, tuple[str, dict[str, Any]]]:
-        """Pickle by name and plain values."""
-        return _restore_section, (self._name, self.to_dict())
+    def __reduce__(self) -> tuple[Any, tuple[str, dict[str, Any], bool]]:
+        """Pickle by name and plain values (a section of a Config holding them)."""
+        return _restore_section, (self._name, self.to_dict(), self._config.frozen)
 
     def __repr__(self) -> str:
         """Show the section's name and every value."""
-        items = ", ".join("%s=%r" % (name, _thaw(value)) for name, value in self._values.items())
+        items = ", ".join("%s=%r" % (name, _thaw(value)) for name, value in self._items().items())
         return "ConfigSection(%r, %s)" % (self._name, items)
 
 
-def _immutable_error(what: str) -> ConfigError:
-    """The error for an attempt to change a Config after construction."""
-    return ConfigError("Config is immutable; cannot change %s. Build a new Config instead, "
-                       "e.g. epl.Config({'pipeline.num_micro_batch': 4}) or "
-                       "config.updated({'pipeline.num_micro_batch': 4})." % what)
-
-
 class Config:
-    """EPL's configuration: one validated, immutable value per schema key.
+    """EPL's configuration: one validated value per schema key.
 
     Args:
         param_dict: ``{"section.key": value}``; None or {} keeps the defaults.
@@ -601,16 +630,17 @@ class Config:
             the valid sections) or a bad value (naming the key or environment
             variable, the value and the valid values).
 
-    Sections are attributes (``config.pipeline.num_micro_batch``); see the
-    module docstring for the precedence of defaults, ``param_dict`` and the
-    environment.
+    Sections are attributes (``config.pipeline.num_micro_batch``), and so are
+    their keys, which can be assigned until `epl.init` freezes the Config.
+    See the module docstring for the precedence of defaults, the environment,
+    ``param_dict`` and assignment.
     """
 
-    __slots__ = ("_values", "_sections")
+    __slots__ = ("_values", "_sections", "_frozen")
 
     def __init__(self, param_dict: Mapping[str, Any] | None = None, *,
                  environ: Mapping[str, str] | None = None) -> None:
-        """Build the configuration from defaults, ``param_dict`` and the environment."""
+        """Build the configuration from defaults, the environment and ``param_dict``."""
         if param_dict is None:
             param_dict = {}
         if not isinstance(param_dict, Mapping):
@@ -618,24 +648,45 @@ class Config:
                               % (param_dict, type(param_dict).__name__))
         environ = os.environ if environ is None else environ
         values = dict(_DEFAULTS)
-        for key, value in param_dict.items():
-            spec = _lookup(key)
-            values[spec.key] = _check_value(spec, value, "config key %r" % spec.key)
+        from_env = {}
         for spec in _SCHEMA:
             if spec.env_var in environ:
                 source = "environment variable %s (config key %r)" % (spec.env_var, spec.key)
-                values[spec.key] = _parse_env(spec, environ[spec.env_var], source)
+                from_env[spec.key] = _parse_env(spec, environ[spec.env_var], source)
+        values.update(from_env)
+        for key, value in param_dict.items():
+            spec = _lookup(key)
+            values[spec.key] = _check_value(spec, value, "config key %r" % spec.key)
+            if spec.key in from_env and from_env[spec.key] != values[spec.key]:
+                _LOG.warning("Config key %r is %r in the config dict, which wins over the "
+                             "environment variable %s=%r (EPL's precedence).", spec.key,
+                             _thaw(values[spec.key]), spec.env_var, environ[spec.env_var])
         _warn_unknown_env(environ)
         self._init_values(values)
 
-    def _init_values(self, values: Mapping[str, Any]) -> None:
+    def _init_values(self, values: Mapping[str, Any], frozen: bool = False) -> None:
         """Store validated values and build the section views."""
-        object.__setattr__(self, "_values", MappingProxyType(dict(values)))
-        sections = {
-            section: ConfigSection(section, {spec.name: values[spec.key] for spec in specs})
-            for section, specs in _SECTIONS.items()
-        }
-        object.__setattr__(self, "_sections", sections)
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_sections",
+                           {section: ConfigSection(self, section) for section in _SECTIONS})
+        object.__setattr__(self, "_frozen", frozen)
+
+    def _set(self, key: str, value: Any) -> None:
+        """Validate and store ``value`` for dotted ``key`` (a known key)."""
+        if self._frozen:
+            raise _frozen_error(key, value)
+        spec = _lookup(key)
+        self._values[spec.key] = _check_value(spec, value, "config key %r" % spec.key)
+
+    def freeze(self) -> Config:
+        """Make this Config read-only (epl.init does it) and return it."""
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        """True once `freeze` (epl.init) has made the Config read-only."""
+        return self._frozen
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -661,7 +712,7 @@ class Config:
 
         ``Config(config.to_dict(), environ={}) == config`` holds.
         """
-        return {key: _thaw(value) for key, value in self._values.items()}
+        return {spec.key: _thaw(self._values[spec.key]) for spec in _SCHEMA}
 
     def non_default(self) -> dict[str, Any]:
         """Return ``{"section.key": value}`` for the keys whose value is not the default."""
@@ -669,7 +720,7 @@ class Config:
                 if self._values[spec.key] != _DEFAULTS[spec.key]}
 
     def updated(self, param_dict: Mapping[str, Any]) -> Config:
-        """Return a new Config with this one's values and ``param_dict`` applied on top.
+        """Return a new (unfrozen) Config with this one's values and ``param_dict`` on top.
 
         The environment is not read again: the new values are taken as given.
         """
@@ -690,18 +741,18 @@ class Config:
             return self._sections[attr]
         except KeyError:
             pass
-        sections = list(_SECTIONS)
-        raise _UnknownAttributeError("Config has no section %r.%s Valid sections: %s."
-                                     % (attr, _did_you_mean(_closest(attr, sections)),
-                                        ", ".join(sections)))
+        raise _unknown_section(attr)
 
     def __setattr__(self, attr: str, value: Any) -> None:
-        """Refuse: configuration is immutable."""
-        raise _immutable_error("attribute %r" % attr)
+        """Refuse: a section is not replaced; its keys are assigned."""
+        if attr in _SECTIONS:
+            raise ConfigError("Cannot replace config section %r; assign its keys instead, e.g. "
+                              "config.%s.%s = ..." % (attr, attr, _names(attr)[0]))
+        raise _unknown_section(attr)
 
     def __delattr__(self, attr: str) -> None:
-        """Refuse: configuration is immutable."""
-        raise _immutable_error("attribute %r" % attr)
+        """Refuse: sections cannot be deleted."""
+        raise ConfigError("Cannot delete config section %r." % attr)
 
     def __dir__(self) -> list[str]:
         """List methods and section names (for completion)."""
@@ -713,13 +764,20 @@ class Config:
             return NotImplemented
         return self._values == other._values
 
-    def __hash__(self) -> int:
-        """Hash of all values, consistent with `__eq__`."""
-        return hash(_hashable(self._values))
+    def _check_hashable(self) -> None:
+        """Raise TypeError unless the Config is frozen (a mutable value has no stable hash)."""
+        if not self._frozen:
+            raise TypeError("unhashable Config: it can change until epl.init freezes it; "
+                            "call config.freeze() first to use it as a dict key or set member")
 
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+    def __hash__(self) -> int:
+        """Hash of all values, consistent with `__eq__`; only for a frozen Config."""
+        self._check_hashable()
+        return hash(_hashable(MappingProxyType(self._values)))
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any], bool]]:
         """Pickle by values, so unpickling does not read the environment again."""
-        return _restore, (self.to_dict(),)
+        return _restore, (self.to_dict(), self._frozen)
 
     def __repr__(self) -> str:
         """Show the values that differ from the defaults, as a constructor call."""
@@ -737,16 +795,28 @@ class Config:
         return "\n".join(lines)
 
 
-def _restore(values: Mapping[str, Any]) -> Config:
+def _unknown_section(attr: str) -> ConfigError:
+    """The error for an attribute of a Config that names no section."""
+    sections = list(_SECTIONS)
+    return _UnknownAttributeError("Config has no section %r.%s Valid sections: %s."
+                                  % (attr, _did_you_mean(_closest(attr, sections)),
+                                     ", ".join(sections)))
+
+
+def _restore(values: Mapping[str, Any], frozen: bool = False) -> Config:
     """Build a Config from already-validated values without reading the environment."""
     config = Config.__new__(Config)
-    config._init_values({key: _freeze(value) for key, value in values.items()})
+    config._init_values({key: _freeze(value) for key, value in values.items()}, frozen)
     return config
 
 
-def _restore_section(name: str, values: Mapping[str, Any]) -> ConfigSection:
-    """Build a ConfigSection from validated plain values (for unpickling)."""
-    return ConfigSection(name, {key: _freeze(value) for key, value in values.items()})
+def _restore_section(name: str, values: Mapping[str, Any], frozen: bool = False
+                     ) -> ConfigSection:
+    """A section holding validated plain ``values`` (for unpickling): a view of a Config
+    with these values and the defaults elsewhere."""
+    full = dict(_DEFAULTS)
+    full.update({"%s.%s" % (name, key): value for key, value in values.items()})
+    return getattr(_restore(full, frozen), name)
 
 
 def _check_schema() -> dict[str, Any]:

@@ -1,43 +1,69 @@
-"""`epl.init`: the process-wide EPL environment (its config and hooks).
+"""`epl.init` and `epl.Env`: the process-wide EPL environment (its config and hooks).
 
-`init(config)` stores the configuration and installs the hooks that let a
-plain training script trigger EPL: the optimizer hooks (gradient time) and the
-session hooks (parallelize time). Calling it again with an equal config is a
-no-op; with a different config it is an error, because graphs already built
-were annotated under the first one.
+`init(config)` freezes the configuration, makes it the active one and
+installs the hooks that let a plain training script trigger EPL: the
+optimizer hooks (gradient time) and the session hooks (parallelize time).
+
+Calling it again, as EPL's own tests do between graphs, replaces the active
+config (an equal config changes nothing). Graphs are annotated at
+construction and gradient time and rewritten at parallelize time, all under
+the config active when they were built, so a graph that EPL had already
+annotated but not yet parallelized when `init` switched to a different config
+is refused at parallelize time (`config_for`), with the keys that differ and
+the fix; graphs parallelized before, and graphs built after, are not
+affected.
+
+`epl.init` does not refuse eager execution (EPL did): TensorFlow 2 executes
+eagerly by default and building the model inside ``with
+tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
+that needs graph mode (a strategy scope, `epl.parallelize`) refuses eager
+mode with the fix.
+
+`Env.get()` gives EPL's runtime view: `.config` (the active Config, None
+before `epl.init`) and `.cluster` (this worker's `epl.Cluster`: the one
+entered with ``with epl.Cluster(...)`` since the last `init`, else the one the
+runtime will use, computed when read; None before `epl.init` if none was
+entered).
 """
 from __future__ import annotations
 
-from epl.config import Config
-from epl.errors import ConfigError
+import weakref
 
-_ENV: dict = {"config": None}
+from epl.config import Config
+from epl.errors import ConfigError, ParallelizeError
+from epl.ir.taskgraph import graph_state
+
+_ENV: dict = {"config": None, "cluster": None}
+# graph -> the config its EPL annotations were made under, for graphs that were
+# annotated but not parallelized when epl.init switched to another config
+_BUILT_UNDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def init(config: Config | dict | None = None) -> Config:
-    """Initialize EPL for this process and return the active Config.
+    """Initialize EPL for this process and return the active (frozen) Config.
 
-    config: an `epl.Config`, a dict of dotted keys, or None for the defaults.
-    Environment overrides `EPL_<SECTION>_<KEY>` apply in every case.
+    config: an `epl.Config` (frozen by this call), a dict of dotted keys, or
+    None for the defaults. Environment variables `EPL_<SECTION>_<KEY>` apply
+    where the dict does not set the key. Calling it again with a different
+    config makes that one active for the graphs built afterwards (see the
+    module docstring).
     """
     if config is None or isinstance(config, dict):
         config = Config(config)
     if not isinstance(config, Config):
         raise ConfigError(
             f"epl.init expects an epl.Config or a dict of dotted keys, got {type(config).__name__}")
+    config.freeze()
     current = _ENV["config"]
+    if current is not None and current == config:
+        return current
     if current is not None:
-        if current == config:
-            return current
-        changed = sorted(k for k, v in config.to_dict().items() if current.to_dict().get(k) != v)
-        raise ConfigError(
-            "epl.init was already called with a different config (keys that differ: "
-            f"{', '.join(changed)}). Call epl.init once per process, before building the model; "
-            "to change the config, start a new process.")
+        _remember_unparallelized_graphs(current)
     _check_no_step_built()
     from epl import hooks  # local import: hooks import the passes, which import this module
     hooks.install()
     _ENV["config"] = config
+    _ENV["cluster"] = None
     from epl.logs import configure as configure_logging
     configure_logging(config.get("debug.log_level"))
     return config
@@ -54,6 +80,9 @@ def _check_no_step_built() -> None:
     import tensorflow as tf
 
     graph = tf.compat.v1.get_default_graph()
+    state = graph_state(graph, create=False)
+    if state is not None and state.train_steps:   # EPL recorded it (an earlier init)
+        return
     updates = [op for op in graph.get_operations() if op.type.startswith(_UPDATE_PREFIXES)]
     if updates:
         raise ConfigError(
@@ -64,11 +93,41 @@ def _check_no_step_built() -> None:
             % (len(updates), "" if len(updates) == 1 else "s", updates[0].name, updates[0].type))
 
 
+def _remember_unparallelized_graphs(previous: Config) -> None:
+    """Record `previous` for every live graph EPL annotated and has not parallelized."""
+    from epl.ir.taskgraph import _STATES
+    for graph, state in list(_STATES.items()):
+        if state.parallelized or graph in _BUILT_UNDER:
+            continue
+        if state.taskgraphs or state.train_steps or state.splits:
+            _BUILT_UNDER[graph] = previous
+
+
 def get_config() -> Config:
     """Return the active Config (the defaults if epl.init was not called)."""
     if _ENV["config"] is None:
         return init()
     return _ENV["config"]
+
+
+def config_for(graph) -> Config:
+    """The active Config, checked to be the one `graph` was annotated under.
+
+    Raises ParallelizeError for a graph EPL annotated under an earlier
+    `epl.init` config that differs from the active one.
+    """
+    config = get_config()
+    built_under = _BUILT_UNDER.get(graph)
+    if built_under is not None and built_under != config:
+        old, new = built_under.to_dict(), config.to_dict()
+        changed = ", ".join(sorted(key for key in new if old[key] != new[key]))
+        raise ParallelizeError(
+            "this graph was built under an earlier epl.init config, and epl.init was called "
+            f"again since with a different one (keys that differ: {changed}). EPL rewrites a "
+            "graph under the config it was built with: create the graph's session (or call "
+            "epl.parallelize) before calling epl.init again, or build the graph after the "
+            "epl.init whose config it should use.")
+    return config
 
 
 def is_initialized() -> bool:
@@ -77,5 +136,53 @@ def is_initialized() -> bool:
 
 
 def reset() -> None:
-    """Forget the active config (for tests that need several configs in one process)."""
+    """Forget the active config and cluster (for tests that need several configs in one
+    process)."""
     _ENV["config"] = None
+    _ENV["cluster"] = None
+    _BUILT_UNDER.clear()
+
+
+def enter_cluster(cluster) -> None:
+    """Make `cluster` the one `Env.get().cluster` returns until the next epl.init."""
+    _ENV["cluster"] = cluster
+
+
+class Env:
+    """EPL's runtime environment, as EPL's `epl.Env` (`Env.get().config`, `.cluster`)."""
+
+    _instance: "Env | None" = None
+
+    @classmethod
+    def get(cls) -> "Env":
+        """The process's Env (one per process)."""
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    @property
+    def config(self) -> Config | None:
+        """The active Config (frozen), or None before epl.init."""
+        return _ENV["config"]
+
+    @property
+    def cluster(self):
+        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
+        since the last epl.init, else the one the runtime uses (read when asked: the
+        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
+        size); None before epl.init when none was entered."""
+        if _ENV["cluster"] is not None:
+            return _ENV["cluster"]
+        if _ENV["config"] is None:
+            return None
+        from epl.cluster import local_cluster
+        return local_cluster(_ENV["config"])
+
+    @property
+    def is_ready(self) -> bool:
+        """True once epl.init has run (EPL's name)."""
+        return _ENV["config"] is not None
+
+    def __repr__(self) -> str:
+        """The active config's changes and the cluster."""
+        return f"Env(config={self.config!r}, cluster={self.cluster!r})"

@@ -19,7 +19,7 @@ import time
 import tensorflow as tf
 
 from epl.cluster import Cluster, local_cluster, physical_gpu_count
-from epl.env import get_config
+from epl.env import config_for
 from epl.errors import ParallelizeError
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
@@ -164,7 +164,7 @@ def _cyclic_gc_paused():
 def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
     """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
     start = time.perf_counter()
-    config = get_config()
+    config = config_for(graph)   # the config the graph was built under (epl.env)
     cluster = local_cluster(config)
     profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
     auto_stages(graph, state, config, profiles)  # auto.auto_parallel + pipeline.num_stages

@@ -138,7 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--strategy", default="PreferBackward",
                         choices=["PreferBackward", "PreferForward"], help="pipeline.strategy")
     parser.add_argument("--devices", type=int, default=2,
-                        help="virtual CPU devices (CPU only); 4 = 2 pipelines of 2 stages")
+                        help="virtual CPU devices (CPU only); 4 = 2 pipelines of 2 stages; 0 = "
+                             "cluster.virtual_devices (e.g. epl-launch --virtual-devices)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -160,10 +161,12 @@ def main(argv=None) -> dict:
     """Train; print progress; return the last step's loss and accuracy."""
     args = parse_args(argv)
     print(f"bert_pipeline: {args.steps} steps; building the graph", flush=True)
-    epl.init(epl.Config({"cluster.virtual_devices": args.devices,
-                         "pipeline.num_micro_batch": args.micro_batches,
-                         "pipeline.strategy": args.strategy,
-                         "debug.log_level": "INFO"}))
+    config = {"pipeline.num_micro_batch": args.micro_batches,
+              "pipeline.strategy": args.strategy, "debug.log_level": "INFO"}
+    if args.devices:
+        config["cluster.virtual_devices"] = args.devices
+    epl.init(epl.Config(config))
+    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
     with tf.Graph().as_default():
         tokens, positions, targets = tf.compat.v1.data.make_one_shot_iterator(
             synthetic_dataset(args.batch, args.seq_len, args.vocab, args.masked)).get_next()

@@ -65,19 +65,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32,
                         help="one replica's batch (a step trains on devices x batch examples)")
     parser.add_argument("--classes", type=int, default=100_000)
-    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
+                             "e.g. 4, or epl-launch --virtual-devices)")
     parser.add_argument("--device-memory-mb", type=float, default=48.0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
     args = parser.parse_args()
 
+    tf.compat.v1.disable_eager_execution()
+    config = {"cluster.colocate_split_and_replicate": True, "debug.log_level": "INFO"}
+    if args.devices is not None:
+        config["cluster.virtual_devices"] = args.devices
+    epl.init(epl.Config(config))
+    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
     print(f"large_classifier: {args.classes} classes, {args.steps} steps, global batch "
           f"{args.batch * args.devices} ({args.devices} replicas x {args.batch}); building the "
           "graph", flush=True)
-    tf.compat.v1.disable_eager_execution()
-    epl.init(epl.Config({"cluster.virtual_devices": args.devices,
-                         "cluster.colocate_split_and_replicate": True,
-                         "debug.log_level": "INFO"}))
 
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         synthetic_dataset(args.classes, args.batch)).get_next()

@@ -110,18 +110,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch", type=int, default=8,
                         help="one replica's batch (a step trains on devices x batch examples)")
-    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
+                             "e.g. 4, or epl-launch --virtual-devices)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, losses)")
     args = parser.parse_args()
 
+    tf.compat.v1.disable_eager_execution()
+    config = {"cluster.colocate_split_and_replicate": True, "debug.log_level": "INFO"}
+    if args.devices is not None:
+        config["cluster.virtual_devices"] = args.devices
+    epl.init(epl.Config(config))
+    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
     print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts, {args.steps} steps, global batch "
           f"{args.batch * args.devices} ({args.devices} replicas x {args.batch}); building the "
           "graph", flush=True)
-    tf.compat.v1.disable_eager_execution()
-    epl.init(epl.Config({"cluster.virtual_devices": args.devices,
-                         "cluster.colocate_split_and_replicate": True,
-                         "debug.log_level": "INFO"}))
     epl.set_default_strategy(epl.replicate(device_count=1))
 
     patches, captions = tf.compat.v1.data.make_one_shot_iterator(

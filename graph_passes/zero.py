@@ -1,5 +1,9 @@
 """ZeRO stage 1 (`zero.level: "v1"`): optimizer state and update sharded over replicas.
 
+`zero.level: "v0"` (EPL's level that partitions only the optimizer states and
+all-reduces whole gradients) runs this same sharding: the same updates, with
+less gradient memory and traffic (a reduce-scatter instead of an all-reduce).
+
 With N data-parallel replicas in all (R local replicas on each of W workers,
 N = R x W), every replica keeps its full copy of the parameters (as in plain
 data parallelism) but only 1/N of each optimizer slot (Adam's moments,
@@ -141,6 +145,7 @@ def _check(view, config) -> list:
 
     Raises ParallelizeError naming what ZeRO cannot shard, why, and the fix.
     """
+    level = config.get("zero.level")   # 'v0' runs as 'v1' (epl/config.py)
     entries = []
     split_vars = set(getattr(view, "split_variables", []))
     for grad, var in view.gradients:
@@ -148,24 +153,24 @@ def _check(view, config) -> list:
             continue
         if isinstance(grad, tf.IndexedSlices):
             raise ParallelizeError(
-                f"zero.level 'v1' cannot shard the sparse gradient of {var.name} (an embedding "
+                f"zero.level {level!r} cannot shard the sparse gradient of {var.name} (an embedding "
                 "lookup): its rows are gathered, not reduced. Set "
                 "communication.sparse_as_dense: True to reduce it as a dense tensor.")
         if var.type != "VarHandleOp":
             raise ParallelizeError(
-                f"zero.level 'v1' needs resource variables, but {var.name} is a reference "
+                f"zero.level {level!r} needs resource variables, but {var.name} is a reference "
                 f"variable ({var.type}). Create variables with use_resource=True (or call "
                 "tf.compat.v1.enable_resource_variables()).")
         if not _var_shape(var).is_fully_defined():
             raise ParallelizeError(
-                f"zero.level 'v1' needs static variable shapes; {var.name} has shape "
+                f"zero.level {level!r} needs static variable shapes; {var.name} has shape "
                 f"{_var_shape(var)}.")
         updates = _updates(var)
         if len(updates) != 1 or not any(t is grad for t in updates[0].inputs):
             readers = [c for c in grad.consumers() if _is_apply(c)]
             what = ", ".join(f"{c.name} ({c.type})" for c in readers[:4]) or "nothing"
             raise ParallelizeError(
-                f"zero.level 'v1' cannot be combined with processing the gradients between "
+                f"zero.level {level!r} cannot be combined with processing the gradients between "
                 f"compute_gradients and apply_gradients (clipping, scaling): the gradient of "
                 f"{var.name} is read by {what} instead of directly by the optimizer's update. "
                 "ZeRO reduce-scatters each gradient, so no replica ever holds the whole "
@@ -176,7 +181,7 @@ def _check(view, config) -> list:
         for _, state in _handle_inputs(update)[1:]:
             if _var_shape(state) != _var_shape(var):
                 raise ParallelizeError(
-                    f"zero.level 'v1' cannot shard the update {update.name} ({update.type}) of "
+                    f"zero.level {level!r} cannot shard the update {update.name} ({update.type}) of "
                     f"{var.name}: it also uses {state.name} of shape {_var_shape(state)}, not the "
                     f"variable's shape {_var_shape(var)}. Use an optimizer whose state has the "
                     "shape of the variable (SGD, Momentum, Adam, Adagrad, RMSProp).")
@@ -205,7 +210,8 @@ class ZeroPass(GraphPass):
         if total == 1:
             ctx.artifacts[self.name] = ZeroSharding({}, {}, {}, 1)
             get_logger(__name__).warning(
-                "zero.level 'v1': one data-parallel replica in all, nothing to shard.")
+                "zero.level %r: one data-parallel replica in all, nothing to shard.",
+                ctx.config.get("zero.level"))
             return PassResult(notes=["one data-parallel replica: nothing to shard"])
         rank = comm.cross.rank if comm.cross is not None else 0
         entries = ctx.artifacts.get("zero_entries") or _check(ctx.view, ctx.config)

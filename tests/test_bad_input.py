@@ -117,15 +117,6 @@ def test_eager_mode():
     assert "tf.compat.v1.disable_eager_execution()" in str(err.value)
 
 
-def test_init_twice_with_different_config():
-    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
-    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))  # same config: fine
-    with pytest.raises(epl.ConfigError) as err:
-        epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
-    assert "epl.init was already called with a different config (keys that differ: " \
-           "pipeline.num_micro_batch)" in str(err.value)
-
-
 def test_strategy_without_optimizer_step():
     epl.init(epl.Config({"cluster.virtual_devices": 2}))
     with tf.Graph().as_default():

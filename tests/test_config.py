@@ -1,4 +1,4 @@
-"""Tests of epl.config: schema, defaults, coercion, errors, environment, immutability."""
+"""Tests of epl.config: schema, defaults, coercion, errors, environment, assignment, freezing."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ EXPECTED_DEFAULTS = {
     "cluster.device_profiles": {},
     "communication.num_communicators": 2,
     "communication.sparse_as_dense": False,
-    "communication.max_splits": 0,
+    "communication.max_splits": 5,
     "communication.fusion_threshold_mb": 128,
     "communication.fp16": False,
     "communication.fp16_scale": 128,
@@ -252,7 +252,7 @@ def test_bad_enum_lists_valid_values() -> None:
     text = error_text({"gradient_checkpoint.type": "manual"})
     assert "'manual'" in text and "['', 'collection', 'auto']" in text
     assert "['mean', 'sum']" in error_text({"communication.gradients_reduce_method": "avg"})
-    assert "['', 'v1']" in error_text({"zero.level": "v2"})
+    assert "['', 'v0', 'v1']" in error_text({"zero.level": "v2"})
     assert "['', 'v0']" in error_text({"offload.level": "v1"})
     assert "['float16', 'bfloat16']" in error_text({"amp.dtype": "float32"})
 
@@ -277,10 +277,27 @@ def test_env_var_names() -> None:
     assert env_var_name("gradient_checkpoint.type") == "EPL_GRADIENT_CHECKPOINT_TYPE"
 
 
-def test_env_overrides_default_and_param_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_overrides_default_and_param_dict_wins(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """EPL's precedence: default < environment < param_dict (EPL's config_env_test)."""
     monkeypatch.setenv("EPL_PIPELINE_NUM_MICRO_BATCH", "4")
+    monkeypatch.setenv("EPL_COMMUNICATION_MAX_SPLITS", "24")
     assert Config().pipeline.num_micro_batch == 4
-    assert Config({"pipeline.num_micro_batch": 2}).pipeline.num_micro_batch == 4
+    with caplog.at_level(logging.WARNING, logger="epl.config"):
+        config = Config({"pipeline.num_micro_batch": 2, "communication.max_splits": 24})
+    assert config.pipeline.num_micro_batch == 2
+    assert config.communication.max_splits == 24
+    # one warning, for the variable the dict overrides with another value
+    assert caplog.messages == [
+        "Config key 'pipeline.num_micro_batch' is 2 in the config dict, which wins over the "
+        "environment variable EPL_PIPELINE_NUM_MICRO_BATCH='4' (EPL's precedence)."]
+
+
+def test_bad_env_value_is_an_error_even_where_the_dict_sets_the_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPL_PIPELINE_NUM_MICRO_BATCH", "four")
+    with pytest.raises(ConfigError, match="EPL_PIPELINE_NUM_MICRO_BATCH"):
+        Config({"pipeline.num_micro_batch": 2})
 
 
 def test_env_keys_with_underscores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,7 +354,7 @@ def test_bad_env_bool_and_range(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bad_env_enum_and_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EPL_ZERO_LEVEL", "v3")
-    with pytest.raises(ConfigError, match=r"EPL_ZERO_LEVEL.*one of \['', 'v1'\]"):
+    with pytest.raises(ConfigError, match=r"EPL_ZERO_LEVEL.*one of \['', 'v0', 'v1'\]"):
         Config()
     monkeypatch.delenv("EPL_ZERO_LEVEL")
     monkeypatch.setenv("EPL_CLUSTER_DEVICE_PROFILES", "{not json")
@@ -367,17 +384,87 @@ def test_unknown_env_var_in_a_section_is_logged(monkeypatch: pytest.MonkeyPatch,
     assert "Did you mean 'EPL_PIPELINE_NUM_MICRO_BATCH'?" in caplog.text
 
 
-# Immutability, equality, representation ------------------------------------------
+# Assignment, freezing, equality, representation ----------------------------------
 
-def test_immutable() -> None:
+def test_assignment_as_in_epl() -> None:
+    """EPL's tests set keys as attributes: config.zero.level = "v1"."""
     config = Config()
-    with pytest.raises(ConfigError, match="immutable.*Build a new Config"):
-        config.pipeline.num_micro_batch = 4
-    with pytest.raises(ConfigError, match="immutable"):
+    config.zero.level = "V0"
+    config.pipeline.num_micro_batch = 4
+    config.communication.fusion_threshold_mb = 64
+    assert config.zero.level == "v0"
+    assert config.get("pipeline.num_micro_batch") == 4
+    assert type(config.communication.fusion_threshold_mb) is float
+    assert config.non_default() == {"pipeline.num_micro_batch": 4, "zero.level": "v0",
+                                    "communication.fusion_threshold_mb": 64.0}
+    section = config.pipeline
+    config.pipeline.strategy = "preferforward"
+    assert section.strategy == "PreferForward"   # a section is a view of its Config
+
+
+def test_assignment_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPL_ZERO_LEVEL", "v1")
+    config = Config()
+    assert config.zero.level == "v1"
+    config.zero.level = ""
+    assert config.zero.level == ""
+
+
+def test_assignment_is_validated() -> None:
+    config = Config()
+    with pytest.raises(ConfigError) as info:
+        config.pipeline.num_micro_batch = 0
+    assert str(info.value) == ("Invalid value 0 (int) for config key 'pipeline.num_micro_batch': "
+                               "expected an int >= 1.")
+    with pytest.raises(ConfigError) as info:
+        config.zero.level = None
+    assert str(info.value) == ("Invalid value None (NoneType) for config key 'zero.level': "
+                               "expected one of ['', 'v0', 'v1'].")
+    with pytest.raises(AttributeError) as info:
+        config.zero.levle = "v1"
+    assert isinstance(info.value, ConfigError)
+    assert str(info.value) == ("Unknown config key 'zero.levle'. Did you mean 'zero.level'? "
+                               "Valid keys of section 'zero': level.")
+    assert config == Config()
+
+
+def test_sections_are_not_replaced_or_deleted() -> None:
+    config = Config()
+    with pytest.raises(ConfigError) as info:
         config.pipeline = None
-    with pytest.raises(ConfigError, match="immutable"):
+    assert str(info.value) == ("Cannot replace config section 'pipeline'; assign its keys "
+                               "instead, e.g. config.pipeline.num_micro_batch = ...")
+    with pytest.raises(ConfigError) as info:
         del config.pipeline.strategy
-    assert config.pipeline.num_micro_batch == 1
+    assert str(info.value) == ("Cannot delete config key 'pipeline.strategy': every key has a "
+                               "value; assign its default instead.")
+    with pytest.raises(AttributeError, match="Config has no section 'pipelin'. Did you mean"):
+        config.pipelin = 3
+
+
+def test_frozen_config_refuses_assignment() -> None:
+    config = Config({"pipeline.num_micro_batch": 2})
+    assert not config.frozen
+    assert config.freeze() is config and config.frozen
+    with pytest.raises(ConfigError) as info:
+        config.pipeline.num_micro_batch = 4
+    assert str(info.value) == (
+        "Cannot set pipeline.num_micro_batch = 4: this Config is in use by epl.init, which "
+        "froze it (the graphs built since are annotated and rewritten under its values). Set "
+        "keys before calling epl.init, or build a new Config and call epl.init with it: graphs "
+        "built after that use the new values.")
+    assert config.pipeline.num_micro_batch == 2
+    newer = config.updated({"pipeline.num_micro_batch": 4})
+    assert not newer.frozen and newer.pipeline.num_micro_batch == 4
+
+
+def test_only_frozen_configs_hash() -> None:
+    config = Config()
+    with pytest.raises(TypeError, match="unhashable Config: it can change until epl.init"):
+        hash(config)
+    with pytest.raises(TypeError, match="unhashable Config"):
+        hash(config.zero)
+    assert hash(config.freeze()) == hash(Config().freeze())
 
 
 def test_updated_returns_new_config() -> None:
@@ -392,7 +479,7 @@ def test_updated_returns_new_config() -> None:
 def test_equality_and_hash() -> None:
     first = Config({"pipeline.num_micro_batch": 4, "cluster.device_profiles": {"a": [1]}})
     second = Config({"cluster.device_profiles": {"a": [1]}, "pipeline.num_micro_batch": 4})
-    assert first == second and hash(first) == hash(second)
+    assert first == second and hash(first.freeze()) == hash(second.freeze())
     assert first != Config()
     assert first != first.to_dict()
     assert Config({"communication.fp16_scale": 128}) == Config()
@@ -403,6 +490,10 @@ def test_round_trips() -> None:
     assert Config(config.to_dict()) == config
     assert pickle.loads(pickle.dumps(config)) == config
     assert copy.deepcopy(config) == config
+    assert not pickle.loads(pickle.dumps(config)).frozen
+    assert pickle.loads(pickle.dumps(config.freeze())).frozen
+    section = pickle.loads(pickle.dumps(config.amp))
+    assert section == config.amp and section.level == "O1"
 
 
 def test_pickle_does_not_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:

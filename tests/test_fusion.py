@@ -31,7 +31,8 @@ def test_bucket_plan_follows_threshold_and_reverse_order():
 
 @pytest.mark.parametrize("threshold_mb,expected", [(128, 1), (0.000001, 7)])
 def test_collective_count_equals_bucket_count(models, epl_env, threshold_mb, expected):
-    epl_env({"cluster.virtual_devices": 2, "communication.fusion_threshold_mb": threshold_mb})
+    epl_env({"cluster.virtual_devices": 2, "communication.fusion_threshold_mb": threshold_mb,
+             "communication.max_splits": 0})   # no cap on the bucket count
     with tf.Graph().as_default() as graph:
         built = models.build("mlp", "sgd")
         epl.parallelize(graph)
@@ -43,7 +44,8 @@ def test_collective_count_equals_bucket_count(models, epl_env, threshold_mb, exp
 
 @pytest.mark.parametrize("config", [
     {"communication.fusion_threshold_mb": 128},
-    {"communication.fusion_threshold_mb": 0.000001},
+    {"communication.fusion_threshold_mb": 0.000001, "communication.max_splits": 0},
+    {"communication.fusion_threshold_mb": 0.000001},   # max_splits 5 (default)
     {"communication.fusion_threshold_mb": 0.000001, "communication.max_splits": 2},
 ])
 def test_fused_and_unfused_equal_single_device(models, epl_env, config):
@@ -135,7 +137,7 @@ def _mixed_shapes_train(devices=None, replica_weights=None):
 @pytest.mark.parametrize("config,weights", [
     ({}, None),
     ({"io.batch_mode": "global"}, [0.25, 0.75]),   # uneven shares slice one batch
-    ({"communication.fusion_threshold_mb": 0.000001}, None),
+    ({"communication.fusion_threshold_mb": 0.000001, "communication.max_splits": 0}, None),
 ])
 def test_scalar_vector_and_dynamic_shape_gradients(epl_env, config, weights):
     reference = _mixed_shapes_train()

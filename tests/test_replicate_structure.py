@@ -91,8 +91,9 @@ def _check_updates_read_reduced_gradients(built, replicas, trainable, per_update
         assert len(reducing) == per_update and reducing[0].device == op.device, op.name
 
 
-# A fusion threshold of one byte: every gradient is its own bucket (no fusion).
-UNFUSED = {"communication.fusion_threshold_mb": 1e-6}
+# A fusion threshold of one byte and no cap on the bucket count: every gradient is its
+# own bucket (no fusion).
+UNFUSED = {"communication.fusion_threshold_mb": 1e-6, "communication.max_splits": 0}
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])

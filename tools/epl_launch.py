@@ -6,6 +6,9 @@
                [--timeout S] [--restarts R [--min-np M]] [horovodrun options]
                [--] command args...
 
+EPL's own form, ``epl-launch --num_workers N --gpu_per_worker K script``, is
+rewritten into these options first (`tools/epl_launch_flags.py`).
+
 It wraps ``horovodrun --gloo`` (the one next to this Python, else the one on
 PATH) and adds what EPL's process model needs:
 
@@ -78,6 +81,11 @@ import subprocess
 import sys
 import threading
 from typing import Mapping, Sequence
+
+try:  # tools.* from a checkout, epl_tools.* when installed
+    from .epl_launch_flags import EplFlagError, translate_epl_flags
+except ImportError:  # run as a script: python tools/epl_launch.py
+    from epl_launch_flags import EplFlagError, translate_epl_flags
 
 PROG = "epl-launch"
 _TIMEOUT_KEY = "communication.collective_timeout_s"
@@ -597,7 +605,11 @@ class Restarter:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `epl-launch`; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # EPL's --num_workers/--gpu_per_worker, rewritten into this launcher's options
+        argv = translate_epl_flags(list(sys.argv[1:] if argv is None else argv))
+    except EplFlagError as err:
+        print("%s: %s" % (PROG, err), file=sys.stderr, flush=True)
+        return 2
     try:
         try:
             args = parse_command_line(argv)

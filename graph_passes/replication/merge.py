@@ -31,16 +31,32 @@ def merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dic
     requests.update({t: kind for t, kind in merge_requests(graph).items() if t not in requests})
     merged = {}
     for tensor, kind in requests.items():
-        if tensor.op not in unit_maps[0]:
+        parts = _unit_parts(tensor, unit_maps)
+        if parts is None:
             continue
-        parts = [m[tensor.op].outputs[tensor.value_index] for m in unit_maps]
         with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
             merged[tensor] = _merge(parts, weights, kind, communicator, tensor.name)
+        if tensor.op not in unit_maps[0]:
+            continue  # a batch input: EPL's own slicing and the ops outside read unit 0's
         for consumer in list(tensor.consumers()):
             if (consumer not in devices or consumer.type in SUMMARY_TYPES) \
                     and tensor.shape == merged[tensor].shape:
                 replace_input(consumer, tensor, merged[tensor])
     return merged
+
+
+def _unit_parts(tensor: tf.Tensor, unit_maps) -> list[tf.Tensor] | None:
+    """What each unit has in place of `tensor`: its copy's output for a forward tensor;
+    for a batch input (an iterator's batch, a placeholder; EPL's collections_test puts
+    `IteratorGetNext` outputs in GLOBAL_CONCAT_OBJECTS) the input a copied consumer
+    reads in each unit. None when no unit has it."""
+    if tensor.op in unit_maps[0]:
+        return [m[tensor.op].outputs[tensor.value_index] for m in unit_maps]
+    for consumer in tensor.consumers():
+        if all(consumer in m for m in unit_maps):
+            index = next(i for i, t in enumerate(consumer.inputs) if t is tensor)
+            return [m[consumer].inputs[index] for m in unit_maps]
+    return None
 
 
 def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator,
