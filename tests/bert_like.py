@@ -247,20 +247,25 @@ def build_pretraining(batch_size: int, examples: dict, config: BertConfig = Bert
     noise floor of the tests' tolerance).
     """
     tf.compat.v1.set_random_seed(seed)
-    if chunks == 1:
-        loss, features = _pretraining_loss(batch_size, examples, config, stages,
-                                           checkpoint_layers)
-    else:
-        with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
-                                         reuse=tf.compat.v1.AUTO_REUSE):
-            iterator_fn = _chunk_iterator(examples, batch_size // chunks)
-            parts = [_pretraining_loss(batch_size // chunks, examples, config, stages,
-                                       checkpoint_layers, iterator_fn) for _ in range(chunks)]
-        loss, features = tf.add_n([p[0] for p in parts]) / chunks, parts[0][1]
+    loss, features = _chunked_loss(batch_size, examples, config, stages, checkpoint_layers,
+                                   chunks)
     global_step = tf.compat.v1.train.get_or_create_global_step()
     optimizer = optimizer or tf.compat.v1.train.AdamOptimizer(1e-3)
     train_op = optimizer.minimize(loss, global_step=global_step)
     return Pretraining(loss, train_op, global_step, features)
+
+
+def _chunked_loss(batch_size, examples, config, stages, checkpoint_layers, chunks: int):
+    """(loss, features) of one batch, or, with chunks > 1, the mean of the losses of
+    `chunks` consecutive smaller batches (the same rows, another summation order)."""
+    if chunks == 1:
+        return _pretraining_loss(batch_size, examples, config, stages, checkpoint_layers)
+    with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
+                                     reuse=tf.compat.v1.AUTO_REUSE):
+        next_batch = _chunk_iterator(examples, batch_size // chunks)
+        parts = [_pretraining_loss(batch_size // chunks, examples, config, stages,
+                                   checkpoint_layers, next_batch) for _ in range(chunks)]
+    return tf.add_n([p[0] for p in parts]) / chunks, parts[0][1]
 
 
 def _chunk_iterator(examples: dict, batch_size: int):
@@ -393,16 +398,8 @@ def build_pretraining_custom(batch_size: int, examples: dict, config: BertConfig
                              chunks: int = 1, init_lr: float = 1e-2) -> Pretraining:
     """`build_pretraining`'s model trained by `create_optimizer` (BERT's training step)."""
     tf.compat.v1.set_random_seed(1234)
-    if chunks == 1:
-        loss, features = _pretraining_loss(batch_size, examples, config, stages,
-                                           checkpoint_layers)
-    else:
-        with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
-                                         reuse=tf.compat.v1.AUTO_REUSE):
-            next_batch = _chunk_iterator(examples, batch_size // chunks)
-            parts = [_pretraining_loss(batch_size // chunks, examples, config, stages,
-                                       checkpoint_layers, next_batch) for _ in range(chunks)]
-        loss, features = tf.add_n([p[0] for p in parts]) / chunks, parts[0][1]
+    loss, features = _chunked_loss(batch_size, examples, config, stages, checkpoint_layers,
+                                   chunks)
     train_op = create_optimizer(loss, init_lr, 100)
     return Pretraining(loss, train_op, tf.compat.v1.train.get_or_create_global_step(), features)
 
