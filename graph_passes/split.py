@@ -75,6 +75,15 @@ class SplitFallbackWarning(UserWarning):
     """An op inside epl.split has no rule for its sharded input; it runs unsplit."""
 
 
+class SplitUnshardedVariableWarning(SplitFallbackWarning):
+    """A variable created under epl.split is not sharded: it stays whole on one device."""
+
+
+# ops a variable's own construction adds (initialization, its first read)
+_INIT_OP_TYPES = frozenset({"AssignVariableOp", "Assign", "VarIsInitializedOp",
+                            "IsVariableInitialized", "ReadVariableOp", "Identity"})
+
+
 # --------------------------------------------------------------------------
 # layouts
 # --------------------------------------------------------------------------
@@ -168,6 +177,7 @@ class SplitRecord:
     replaced: ops the pass replaced (never run).
     ops: the ops the region runs (per-slot ops and ops left unsplit).
     fallbacks: "op (type)" of ops with a sharded input that ran unsplit.
+    unsharded: "variable: why" for variables created in the TaskGraph that stay whole.
     """
 
     taskgraph: str
@@ -178,6 +188,7 @@ class SplitRecord:
     replaced: set = dataclasses.field(default_factory=set)
     ops: list = dataclasses.field(default_factory=list)
     fallbacks: list = dataclasses.field(default_factory=list)
+    unsharded: list = dataclasses.field(default_factory=list)
 
     @property
     def spans_workers(self) -> bool:
@@ -232,6 +243,7 @@ class _Rewriter:
         self.sharded: dict = {}     # variable op -> ShardedVariable
         self._full_cache: dict = {}
         self._name = ""
+        self.readers: dict = {}     # variable op -> [(op, input layouts)] that read it in the walk
 
     # -- construction helpers ------------------------------------------------
     def attrs(self, slot: int | None) -> dict:
@@ -423,11 +435,16 @@ class _Rewriter:
             if pending_var is not None:
                 self.layouts[op.outputs[0]] = Pending(pending_var, op.outputs[0])
                 continue
-            layouts = [self.layouts.get(t) for t in op.inputs]
+            layouts = [self.layouts.get(t) or self._outside_read(t) for t in op.inputs]
             handle_var = _handle_input(op, variables)
             if all(layout is None for layout in layouts) and handle_var is None:
                 self.record.ops.append(op)
                 continue
+            for layout in layouts:
+                if isinstance(layout, Pending):
+                    self.readers.setdefault(layout.variable.op, []).append((op, layouts))
+            if handle_var is not None:
+                self.readers.setdefault(handle_var.op, []).append((op, layouts))
             self._name = op.name
             fn = RULES.get(op.type)
             first = len(self.graph.get_operations())
@@ -443,6 +460,16 @@ class _Rewriter:
                     self.layouts[tensor] = layout
             self.record.replaced.add(op)
             self.record.ops.extend(self.graph.get_operations()[first:])
+
+    def _outside_read(self, tensor: tf.Tensor):
+        """Pending for a read of a region variable made outside the region (a reference
+        variable's snapshot, built where the variable was created); else None."""
+        variable = _variable_read(tensor.op, self.variables)
+        if variable is None:
+            return None
+        layout = Pending(variable, tensor)
+        self.layouts[tensor] = layout
+        return layout
 
     def _fallback(self, op: tf.Operation, layouts: list) -> None:
         """Run `op` unsplit on gathered inputs; warn when a sharded input was gathered."""
@@ -471,7 +498,9 @@ class _Rewriter:
             warnings.warn(message, SplitFallbackWarning, stacklevel=2)
 
     def finish(self, region: set) -> None:
-        """Gather or sum values read outside the rewritten ops; place the region's ops."""
+        """Gather or sum values read outside the rewritten ops; place the region's ops;
+        warn about the TaskGraph's variables that stay whole."""
+        self._redirect_other_reads()
         for tensor, layout in list(self.layouts.items()):
             if isinstance(layout, Pending) and layout.variable.op not in self.sharded:
                 continue
@@ -487,6 +516,72 @@ class _Rewriter:
         for op in list(region) + self.record.ops:
             if not op.device and op not in self.record.replaced:
                 op._set_device(self.plan.devices[0])
+        self._report_unsharded(region)
+
+    def _redirect_other_reads(self) -> None:
+        """Reads of a sharded variable that the walk did not see (built outside the
+        split scope, e.g. a weight decay over trainable_variables(), or off the path
+        to the loss, e.g. a metric) read the full value assembled from the shards."""
+        for variable_op, sharded in self.sharded.items():
+            handle = variable_op.outputs[0]
+            for read in list(handle.consumers()):
+                if read in self.record.replaced or read.outputs and read.outputs[0] in self.layouts:
+                    continue
+                if read.type in ("ReadVariableOp", "Identity") and read.outputs:
+                    gathered = read.outputs[0]
+                    pending = Pending(self.variables[variable_op], gathered)
+                    for consumer in list(gathered.consumers()):
+                        self._name = consumer.name
+                        first = len(self.graph.get_operations())
+                        replace_input(consumer, gathered, self.value(pending, gathered))
+                        self.record.ops.extend(self.graph.get_operations()[first:])
+                elif read.type == "ResourceGather" and read.get_attr("batch_dims") == 0:
+                    self._name = read.name
+                    first = len(self.graph.get_operations())
+                    pending = Pending(self.variables[variable_op], handle)
+                    with self.gathering(read.name):
+                        rows = tf.gather(self.value(pending, handle), read.inputs[1])
+                    for consumer in list(read.outputs[0].consumers()):
+                        replace_input(consumer, read.outputs[0], rows)
+                    self.record.ops.extend(self.graph.get_operations()[first:])
+
+    def _report_unsharded(self, region: set) -> None:
+        """A SplitUnshardedVariableWarning (and the "epl" logger) for each variable
+        created in the TaskGraph that no rule sharded, saying why."""
+        for variable_op, variable in self.variables.items():
+            if variable_op in self.sharded:
+                continue
+            reason = self._why_whole(variable_op, region)
+            name = variable_op.name
+            self.record.unsharded.append(f"{name}: {reason}")
+            message = (
+                f"epl.split: variable {name} (shape {variable.shape.as_list()}) is created under "
+                f"epl.split ({self.taskgraph}) but stays whole, not split over the {self.k} "
+                f"devices: {reason}. Variables under epl.split are sharded by their first use "
+                "in an op with a split rule (the weight of a MatMul, BatchMatMul or Einsum, an "
+                "embedding table, the bias or scale of a split layer); create it outside "
+                "epl.split to keep it whole without this warning.")
+            _LOG.warning("%s", message)
+            warnings.warn(message, SplitUnshardedVariableWarning, stacklevel=2)
+
+    def _why_whole(self, variable_op, region: set) -> str:
+        readers = self.readers.get(variable_op)
+        if readers:
+            op, layouts = readers[0]
+            what = f"its first use, {op.name} (type {op.type}),"
+            if any(isinstance(l, Partial) for l in layouts):
+                return (f"{what} combines it with partial sums (the result of a row-split "
+                        "layer, summed over the devices), which needs it whole")
+            if op.type not in RULES:
+                return f"{what} has no split rule"
+            return f"{what} reads it whole (its split rule splits none of its inputs here)"
+        outside = [op for t in variable_op.outputs for r in t.consumers()
+                   for op in ([r] + [c for o in r.outputs for c in o.consumers()])
+                   if op not in region and op.type not in _INIT_OP_TYPES]
+        if outside:
+            return (f"it is used outside the split scope, by {outside[0].name} (type "
+                    f"{outside[0].type})")
+        return "no op on the path to the loss reads it"
 
 
 def _variable_read(op: tf.Operation, variables: dict):
@@ -614,6 +709,152 @@ def _expert_matmul(rw: _Rewriter, op, layouts):
     return [Sharded(parts, op.outputs[0].shape.rank - 3, sb.sizes)]
 
 
+def _einsum_labels(op):
+    """(labels of each operand, labels of the output) of an Einsum op, one label
+    per axis; an ellipsis becomes one label per axis it covers, right-aligned
+    across operands as broadcasting aligns them. None when a rank is unknown or a
+    label repeats within one term (a diagonal or trace)."""
+    equation = op.get_attr("equation")
+    equation = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
+    if "->" not in equation:
+        return None
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    ranks = [t.shape.rank for t in op.inputs]
+    if None in ranks or len(terms) != len(ranks):
+        return None
+    spans = [rank - (len(term) - 3) if "..." in term else 0 for term, rank in zip(terms, ranks)]
+    width = max(spans + [0])
+    spare = [chr(0x100 + i) for i in range(width)]   # labels no equation spells
+
+    def expand(term: str, span: int) -> list:
+        if "..." not in term:
+            return list(term)
+        head, tail = term.split("...")
+        return list(head) + spare[width - span:] + list(tail)
+
+    labels = [expand(term, span) for term, span in zip(terms, spans)]
+    out_labels = expand(out, width)
+    if any(len(l) != len(set(l)) for l in labels + [out_labels]) \
+            or any(len(l) != rank for l, rank in zip(labels, ranks)):
+        return None
+    return labels, out_labels
+
+
+def _einsum_weight_axis(labels: list, out: list, index: int):
+    """(axis, expert) along which to shard operand `index` (a variable no rule has
+    sharded yet), or None to keep it whole. First choice: a label it shares with
+    another operand and the output (the expert axis of an [experts, d, h] weight
+    in "egcm,emh->egch": whole experts per device, the tokens sliced to match);
+    then the first label only it and the output have (a column split, as
+    "bsd,dh->bsh" splits h: the output is sharded, no collective)."""
+    others = set()
+    for i, term in enumerate(labels):
+        if i != index:
+            others.update(term)
+    own = labels[index]
+    for axis, label in enumerate(own):
+        if label in others and label in out:
+            return axis, True
+    for axis, label in enumerate(own):
+        if label not in others and label in out:
+            return axis, False
+    return None
+
+
+@rule("Einsum")
+def _einsum(rw: _Rewriter, op, layouts):
+    """tf.einsum on split operands, by the label that is split.
+
+    The split label comes from a sharded operand (all sharded operands must be
+    split along the same label and extents), or, when none is sharded yet, from
+    the first variable operand (`_einsum_weight_axis`). Every operand that has
+    the label is split along it (a variable becomes shards; a full tensor is
+    sliced: the dispatch of tokens to expert devices), the others are read
+    whole on every device, and each device runs the einsum on its slices. The
+    output is sharded along the label when the output keeps it ("egcm,emh->egch"
+    keeps e; "bsd,dh->bsh" keeps h), and partial sums when the label is
+    contracted ("gsec,egcm->gsm", the expert combine; "bsh,hd->bsd", a row
+    split): one sum where the whole value is read. Partial sums go through an
+    einsum whose other operands are whole (it is linear in each operand).
+    """
+    parsed = _einsum_labels(op)
+    if parsed is None:
+        return KEEP if all(_is_full(l) for l in layouts) else None
+    labels, out = parsed
+    partial = [i for i, l in enumerate(layouts) if isinstance(l, Partial)]
+    sharded = [i for i, l in enumerate(layouts) if isinstance(l, Sharded)]
+    if partial:
+        if len(partial) > 1 or sharded:
+            return None
+        values = [None if i in partial else rw.value(l, t)
+                  for i, (l, t) in enumerate(zip(layouts, op.inputs))]
+        parts = _clone_on_slots(rw, op, lambda j: [layouts[i].parts[j] if i in partial
+                                                   else values[i] for i in range(len(values))])
+        return [Partial(parts)]
+    expert, order = False, list(range(len(op.inputs)))
+    if sharded:
+        first = layouts[sharded[0]]
+        label, sizes = labels[sharded[0]][first.axis], first.sizes
+        full = op.inputs[sharded[0]].shape[first.axis]
+        if any(labels[i][layouts[i].axis] != label or layouts[i].sizes != sizes
+               for i in sharded):
+            return None
+    else:
+        pending = [i for i, l in enumerate(layouts) if isinstance(l, Pending)]
+        choice = _einsum_weight_axis(labels, out, pending[0]) if pending else None
+        if choice is None:
+            return KEEP
+        axis, expert = choice
+        label, sizes = labels[pending[0]][axis], None
+        full = op.inputs[pending[0]].shape[axis]
+        order = [pending[0]] + [i for i in order if i != pending[0]]   # its shards set the sizes
+    if full is None:
+        return None
+    parts_of = {}
+    for i in order:
+        tensor, layout = op.inputs[i], layouts[i]
+        axis = labels[i].index(label) if label in labels[i] else None
+        if axis is not None and tensor.shape[axis] == 1 and full != 1:
+            axis = None                                  # broadcast along the split label
+        if axis is None:
+            if isinstance(layout, Sharded):
+                return None
+            value = rw.value(layout, tensor)
+            parts_of[i] = [value] * rw.k
+        elif isinstance(layout, Sharded):
+            parts_of[i] = layout.parts
+        elif isinstance(layout, Pending):
+            what, divide = "", False
+            if expert:
+                what, divide = _check_whole_experts(rw, op, layout, tensor, axis, label)
+            split = _as_sharded(rw, layout, tensor, axis, sizes, what, must_divide=divide)
+            if split is None:
+                return None
+            parts_of[i], sizes = split.parts, split.sizes
+        else:
+            parts_of[i] = rw.slice(rw.value(layout, tensor), axis, sizes).parts
+    parts = _clone_on_slots(rw, op, lambda j: [parts_of[i][j] for i in range(len(op.inputs))])
+    if label in out:
+        return [Sharded(parts, out.index(label), sizes)]
+    return [Partial(parts)]
+
+
+def _check_whole_experts(rw: _Rewriter, op, layout: Pending, tensor, axis: int, label: str):
+    """(what, must_divide) for sharding an expert axis; refuses a count that the
+    split degree does not divide (every device holds whole experts)."""
+    variable = layout.variable
+    experts = int(tensor.shape[axis])
+    what = (f"expert count {experts} (axis {axis} of {variable.op.name}, shape "
+            f"{tensor.shape.as_list()}, read by {op.name})")
+    if experts % rw.k and variable.op not in rw.sharded:
+        raise ParallelizeError(
+            f"the {what} is not divisible by the split degree {rw.k}: every device must "
+            f"hold whole experts. Use a number of experts divisible by {rw.k}, or "
+            f"epl.split(device_count=d) with d dividing {experts}.")
+    return what, True
+
+
 UNARY = ("Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Log", "Neg", "Square",
          "Sqrt", "Rsqrt", "Abs", "Softplus", "Erf", "Identity", "Cast", "LeakyRelu", "StopGradient",
          "Reciprocal", "Sin", "Cos")
@@ -687,6 +928,17 @@ def _binary(rw: _Rewriter, op, layouts):
     if px is None or py is None:
         return None
     return [Sharded(_clone_on_slots(rw, op, lambda j: [px[j], py[j]]), out_axis, sharded.sizes)]
+
+
+@rule("Softmax", "LogSoftmax")
+def _softmax(rw: _Rewriter, op, layouts):
+    """Softmax over the last axis of a tensor split along another axis (attention
+    scores split by heads): each device normalizes its own rows."""
+    (layout,) = layouts
+    if isinstance(layout, Sharded) and layout.axis != op.inputs[0].shape.rank - 1:
+        parts = _clone_on_slots(rw, op, lambda j: [layout.parts[j]])
+        return [Sharded(parts, layout.axis, layout.sizes)]
+    return KEEP if _is_full(layout) else None
 
 
 @rule("BiasAdd")
@@ -879,16 +1131,20 @@ class SplitPass(GraphPass):
         path = ancestors([loss.op])
         done = {record.taskgraph for record in state.splits}
         records, notes = [], []
-        for taskgraph in state.taskgraphs:
-            if taskgraph.spec.kind != StrategyKind.SPLIT or taskgraph.name in done:
-                continue
-            tagged = [op for op in graph.get_operations()
-                      if op.node_def.attr.get(TASKGRAPH_ATTR) is not None
-                      and op.node_def.attr[TASKGRAPH_ATTR].s.decode() == taskgraph.name]
+        todo = [tg for tg in state.taskgraphs
+                if tg.spec.kind == StrategyKind.SPLIT and tg.name not in done]
+        tagged_of = {tg.name: [] for tg in todo}
+        for op in graph.get_operations():
+            name = _taskgraph_of(op)
+            if name in tagged_of:
+                tagged_of[name].append(op)
+        owned = _owned_variables(graph, tagged_of, plans)
+        for taskgraph in todo:
+            tagged = tagged_of[taskgraph.name]
             region = [op for op in tagged if op in path]
             if not region:
                 continue
-            variables = _region_variables(graph, tagged)
+            variables = owned[taskgraph.name]
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
             cross = ctx.communicator.cross if ctx.communicator is not None else None
             rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
@@ -907,7 +1163,9 @@ class SplitPass(GraphPass):
                          f"{len(record.plan.devices)} devices "
                          f"({', '.join(f'{n} axis {v.axis} sizes {list(v.sizes)}' for n, v in record.variables.items())})"
                          + (f"; unsplit fallbacks: {', '.join(record.fallbacks)}"
-                            if record.fallbacks else ""))
+                            if record.fallbacks else "")
+                         + (f"; kept whole: {'; '.join(record.unsharded)}"
+                            if record.unsharded else ""))
         state.splits.extend(records)
         ctx.artifacts[self.name] = records
         added = [op.name for op in graph.get_operations() if op not in before]
@@ -915,6 +1173,40 @@ class SplitPass(GraphPass):
         if replaced:  # they stay in the graph (TensorFlow cannot delete ops) and never run
             notes.append(f"replaced, never run: {', '.join(replaced)}")
         return PassResult(added=added, notes=notes)
+
+
+def _taskgraph_of(op: tf.Operation) -> str | None:
+    attr = op.node_def.attr.get(TASKGRAPH_ATTR)
+    return attr.s.decode() if attr is not None else None
+
+
+def _owned_variables(graph: tf.Graph, tagged_of: dict, plans: dict) -> dict:
+    """TaskGraph name -> {variable op: tf.Variable} of the variables each split
+    TaskGraph shards: those created in it, except a variable whose every use is in
+    one other split TaskGraph on the same devices, which that one shards (weights
+    created under one epl.split scope, e.g. in a layer's build(), and used under
+    another, in its call(), as FastNN's MoE layer does)."""
+    owned = {name: _region_variables(graph, tagged) for name, tagged in tagged_of.items()}
+    for name, variables in owned.items():
+        for variable_op in list(variables):
+            users = _user_taskgraphs(variable_op)
+            if len(users) != 1:
+                continue
+            (user,) = users
+            if user != name and user in owned and plans.get(user) == plans.get(name):
+                owned[user][variable_op] = variables.pop(variable_op)
+    return owned
+
+
+def _user_taskgraphs(variable_op: tf.Operation) -> set:
+    """TaskGraph names (None: untagged) of the ops that use the values of a variable."""
+    users = set()
+    for consumer in variable_op.outputs[0].consumers():
+        if consumer.type in ("ReadVariableOp", "Identity", "ResourceGather"):
+            users.update(_taskgraph_of(op) for out in consumer.outputs for op in out.consumers())
+            if consumer.type == "ResourceGather":
+                users.add(_taskgraph_of(consumer))
+    return users
 
 
 def _region_variables(graph: tf.Graph, tagged: list) -> dict:
