@@ -217,6 +217,11 @@ class SplitView:
     def initializer(self):
         return self._epl_initializer
 
+    def initialized_value(self):
+        with tf.compat.v1.init_scope():
+            return tf.compat.v1.cond(self.is_initialized(), self.read_value,
+                                     lambda: self.initial_value)
+
     def is_initialized(self, name=None):
         shards = self._epl_sharded.shards
         return tf.reduce_all(tf.stack([tf.compat.v1.is_variable_initialized(s) for s in shards]),

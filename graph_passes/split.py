@@ -930,6 +930,18 @@ def _binary(rw: _Rewriter, op, layouts):
     return [Sharded(_clone_on_slots(rw, op, lambda j: [px[j], py[j]]), out_axis, sharded.sizes)]
 
 
+@rule("L2Loss")
+def _l2_loss(rw: _Rewriter, op, layouts):
+    """tf.nn.l2_loss (weight decay) of a split tensor or a sharded variable: each
+    device's share of the sum of squares, a partial sum (no gather)."""
+    (layout,) = layouts
+    if isinstance(layout, Pending) and layout.variable.op in rw.sharded:
+        layout = rw.shard_variable(layout, rw.sharded[layout.variable.op].axis)
+    if isinstance(layout, Sharded):
+        return [Partial(_clone_on_slots(rw, op, lambda j: [layout.parts[j]]))]
+    return KEEP if _is_full(layout) else None
+
+
 @rule("Softmax", "LogSoftmax")
 def _softmax(rw: _Rewriter, op, layouts):
     """Softmax over the last axis of a tensor split along another axis (attention
@@ -1134,8 +1146,9 @@ class SplitPass(GraphPass):
         todo = [tg for tg in state.taskgraphs
                 if tg.spec.kind == StrategyKind.SPLIT and tg.name not in done]
         tagged_of = {tg.name: [] for tg in todo}
+        followers = _follow_inputs(path, state.taskgraphs)
         for op in graph.get_operations():
-            name = _taskgraph_of(op)
+            name = _taskgraph_of(op) or followers.get(op)
             if name in tagged_of:
                 tagged_of[name].append(op)
         owned = _owned_variables(graph, tagged_of, plans)
@@ -1178,6 +1191,28 @@ class SplitPass(GraphPass):
 def _taskgraph_of(op: tf.Operation) -> str | None:
     attr = op.node_def.attr.get(TASKGRAPH_ATTR)
     return attr.s.decode() if attr is not None else None
+
+
+def _follow_inputs(path: set, taskgraphs: list) -> dict:
+    """Untagged ops on the path to the loss -> the TaskGraph they will follow.
+
+    An op built outside every scope takes the latest TaskGraph among its inputs
+    (epl/ir/graph_view.py); one that follows a split TaskGraph (a loss or weight
+    decay added outside the split scope to what the split part computed) is part
+    of that TaskGraph's region: rewritten and placed with it.
+    """
+    index = {tg.name: tg.index for tg in taskgraphs}
+    resolved: dict = {}      # op on the path -> its TaskGraph name (tagged or followed)
+    followers: dict = {}
+    for op in sorted(path, key=lambda o: o._id):   # creation order: inputs first
+        name = _taskgraph_of(op)
+        if name is None and op.type not in VARIABLE_OP_TYPES:
+            names = [resolved[t.op] for t in op.inputs if t.op in resolved]
+            if names:
+                name = followers[op] = max(names, key=lambda n: index.get(n, -1))
+        if name is not None:
+            resolved[op] = name
+    return followers
 
 
 def _owned_variables(graph: tf.Graph, tagged_of: dict, plans: dict) -> dict:

@@ -1,13 +1,9 @@
 """epl.split on tf.einsum models: experts (FastNN's MoE layer, EPL's split_test) and
 dense contractions (attention heads and a feed-forward layer, Megatron-style).
 
-The oracle (`assert_matches_single_device`): EPL's training equals single-device
-training on the rows the replicas consumed, concatenated in replica order, under
-both batch contracts: io.batch_mode "replica" (EPL's: the script's placeholder
-holds one replica's batch and the feed holds every replica's rows) and "global"
-(the script's batch is the whole step's, sliced among the replicas). The
-tolerance comes from the reference's noise floor (tests/conftest.py): the same
-single-device training with the loss computed over two halves of the batch.
+The oracle (tests/split_oracle.py): EPL's training equals single-device training
+on the rows the replicas consumed, under both batch contracts (io.batch_mode
+"replica" and "global").
 
 The models are written like real TF1 code: static batch shapes, layers from
 tf.compat.v1.layers, an expert layer as a tf.compat.v1.layers.Layer whose build()
@@ -26,11 +22,9 @@ import tensorflow as tf
 import epl
 from epl import env
 from epl.ir.taskgraph import graph_state
-from epl.sharded_variable import full_values
 from graph_passes.split import SplitFallbackWarning, SplitUnshardedVariableWarning
+from split_oracle import assert_matches_single_device
 
-ROWS = 8          # rows a step consumes (the reference's batch)
-REPLICAS = 4      # 4 virtual devices, one-device replicas
 SEQ, MODEL, HIDDEN, EXPERTS, CAPACITY = 8, 8, 16, 8, 2
 HEADS, HEAD_DIM, FF = 4, 4, 32
 CLASSES = 5
@@ -220,76 +214,6 @@ def _layer_norm(h, name, **kwargs):
         gamma = tf.compat.v1.get_variable("gamma", [MODEL], initializer=tf.ones_initializer())
         beta = tf.compat.v1.get_variable("beta", [MODEL], initializer=tf.zeros_initializer())
         return (h - mean) * tf.math.rsqrt(variance + 1e-6) * gamma + beta
-
-
-# --------------------------------------------------------------------------
-# the oracle
-# --------------------------------------------------------------------------
-
-
-def _train(build, rows: int, config: dict | None, steps: int, chunks: int = 1):
-    """(losses, full variable values, graph): train `build` with a placeholder batch of
-    `rows` (EPL: `config`; None: plain TensorFlow) on the step's ROWS rows; chunks > 1
-    computes the loss as the mean over that many equal parts of the batch."""
-    env.reset()
-    if config is not None:
-        epl.init(epl.Config({"cluster.virtual_devices": REPLICAS,
-                             "debug.check_invariants": True, **config}))
-    with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(7)
-        model, inputs, feed = build(rows)
-        if chunks == 1:
-            loss = model(*inputs)
-        else:
-            parts = zip(*(tf.split(t, chunks) for t in inputs))
-            with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
-                                             reuse=tf.compat.v1.AUTO_REUSE):
-                loss = tf.add_n([model(*part) for part in parts]) / chunks
-        train_op = tf.compat.v1.train.AdamOptimizer(0.01).minimize(
-            loss, global_step=tf.compat.v1.train.get_or_create_global_step())
-        data = feed(np.random.RandomState(0), ROWS)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            losses = [float(sess.run([train_op, loss], data)[1]) for _ in range(steps)]
-            values = full_values(sess, graph)
-    env.reset()
-    return losses, values, graph
-
-
-_REFERENCES: dict = {}
-
-
-def _reference(build_name: str, build, steps: int):
-    """Single-device training on the ROWS rows, and its noise floor per variable."""
-    key = (build_name, steps)
-    if key not in _REFERENCES:
-        plain = _train(build, ROWS, None, steps)
-        halves = _train(build, ROWS, None, steps, chunks=2)
-        floor = {name: float(np.max(np.abs(halves[1][name] - value)))
-                 for name, value in plain[1].items()}
-        floor["<losses>"] = float(np.max(np.abs(np.array(halves[0]) - plain[0])))
-        _REFERENCES[key] = (plain, floor)
-    return _REFERENCES[key]
-
-
-def assert_matches_single_device(build_name: str, build, mode: str, config=None, steps=3):
-    """EPL under io.batch_mode `mode` trains like single-device TensorFlow on the same
-    ROWS rows; returns the EPL graph. In "replica" mode the script's batch is one
-    replica's (ROWS / REPLICAS rows), in "global" mode the whole step's."""
-    from conftest import ATOL, NOISE_FACTOR, RTOL
-    rows = ROWS // REPLICAS if mode == "replica" else ROWS
-    losses, values, graph = _train(build, rows, {"io.batch_mode": mode, **(config or {})}, steps)
-    assert epl.parallelize(graph).plan.num_replicas == REPLICAS
-    (ref_losses, ref_values, _), floor = _reference(build_name, build, steps)
-    assert sorted(values) == sorted(ref_values)
-    for name, value in ref_values.items():
-        assert not np.isnan(values[name]).any(), f"shards of {name} do not cover it"
-        np.testing.assert_allclose(values[name], value, rtol=RTOL,
-                                   atol=max(ATOL, NOISE_FACTOR * floor[name]), err_msg=name)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL,
-                               atol=max(ATOL, NOISE_FACTOR * floor["<losses>"]),
-                               err_msg="per-step losses")
-    return graph
 
 
 def _expert_records(graph):
