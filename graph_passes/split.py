@@ -16,7 +16,16 @@ region has a layout:
 - `Pending(variable)`: the read of a variable created in the region, not yet
   sharded; the first op that needs it sharded decides the axis ("the axis the
   layer needs") and the variable becomes a ShardedVariable
-  (epl/sharded_variable.py).
+  (epl/sharded_variable.py; the user's variable object becomes a view that
+  reads the full value from the shards).
+The region: the TaskGraph's ops on the path to the loss, and the ops built
+outside every scope that follow it (their latest input TaskGraph is this one,
+as graph_view resolves them: a loss or weight decay added after the split
+part). Its variables: those created under the scope, and those created under
+another split scope on the same devices and used only here (weights built in
+a layer's build() under one epl.split and used in its call() under another,
+as FastNN's MoE layer does). Reads of a sharded variable anywhere else (off
+the path, or in a replicated part) read the shards concatenated.
 A rule, registered per op type (`@rule("MatMul")`), maps the input layouts of
 one op to per-slot ops and output layouts. An op whose inputs are all full is
 left alone. An op with a sharded input and no rule (or a rule that does not
@@ -43,12 +52,33 @@ the rewritten ops (the loss outside the scope, a metric) it is gathered
 - SparseSoftmaxCrossEntropyWithLogits / SoftmaxCrossEntropyWithLogits over
   vocabulary-split logits: distributed max and sum of exponentials and the
   label logit from the shard that owns it; the logits are never gathered.
+- Einsum (tf.einsum), by equation labels: the split label is the label a
+  sharded operand is split along, or, for a variable no rule has sharded yet,
+  the label it shares with another operand and the output (the expert axis:
+  "egcm,emh->egch" splits e, whole experts per device, the tokens sliced to
+  match: the dispatch), else its first label only it and the output have (a
+  column split: "bsd,dh->bsh" splits h, "bsd,dnh->bsnh" splits the heads n).
+  Operands with the label are split along it, the others read whole on every
+  device; the output is sharded along the label when it keeps it and partial
+  sums when the label is contracted (the expert combine "gsec,egcm->gsm", a
+  row split "bsh,hd->bsd", an attention output projection "bqnh,nhd->bqd").
+  An einsum of partial sums with whole operands stays partial (it is linear).
+- Softmax / LogSoftmax over rows split along another axis (attention scores
+  split by heads); L2Loss of a split tensor or weight (weight decay): partial
+  sums of squares.
+
+A variable created under epl.split that no rule shards (a bias added to the
+summed result of a row-split layer, a weight read only by ops without a rule,
+or only outside the scope) stays whole on the first device, with a
+`SplitUnshardedVariableWarning` (a SplitFallbackWarning, also logged to the
+"epl" logger) naming it and why (the record's `unsharded`).
 
 Shard sizes come from the split plan (`SplitPlan`): even by default, or
 capability-weighted (epl.planner.planner.local_shard_weights) when device
 profiles say the devices differ. The pass records what it built on the graph's
 state (`SplitRecord`): the sharded variables, the dispatch slices and combine
-concats the replicate pass rewires, the replaced ops, and the fallbacks.
+concats the replicate pass rewires, the replaced ops, the fallbacks and the
+variables kept whole.
 """
 from __future__ import annotations
 
@@ -473,12 +503,13 @@ class _Rewriter:
 
     def _fallback(self, op: tf.Operation, layouts: list) -> None:
         """Run `op` unsplit on gathered inputs; warn when a sharded input was gathered."""
-        gathered = [t for t, layout in zip(op.inputs, layouts)
-                    if isinstance(layout, Sharded)
-                    or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+        split_inputs = [(t, layout) for t, layout in zip(op.inputs, layouts)
+                        if isinstance(layout, Sharded)
+                        or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+        gathered = [t for t, _ in split_inputs]
         if gathered:
             self._refuse_across_workers(
-                f"op {op.name} (type {op.type}) has no split rule for its sharded input(s)")
+                f"op {op.name} (type {op.type}) is not split: no rule covers its sharded input(s)")
         first = len(self.graph.get_operations())
         for index, (tensor, layout) in enumerate(zip(list(op.inputs), layouts)):
             if layout is not None and not (isinstance(layout, Pending)
@@ -489,11 +520,17 @@ class _Rewriter:
         if gathered:
             what = f"{op.name} (type {op.type})"
             self.record.fallbacks.append(what)
-            message = (
-                f"epl.split: op {what} has no split rule for its sharded input(s) "
-                f"{', '.join(t.name for t in gathered)}; EPL gathers the full tensor and runs "
-                f"the op unsplit on one device. Op types with split rules: "
-                f"{', '.join(splittable_op_types())}.")
+            inputs = ", ".join(t.name for t in gathered)
+            if op.type in RULES:
+                how = "; ".join(f"{t.name} split along axis {_split_axis(self, layout)}"
+                                for t, layout in split_inputs)
+                problem = (f"has a split rule, but not for its inputs split as they are ({how})"
+                           f"; EPL gathers {inputs} and runs the op unsplit on one device")
+            else:
+                problem = (f"has no split rule for its sharded input(s) {inputs}; EPL gathers "
+                           "the full tensor and runs the op unsplit on one device")
+            message = (f"epl.split: op {what} {problem}. Op types with split rules: "
+                       f"{', '.join(splittable_op_types())}.")
             _LOG.warning("%s", message)
             warnings.warn(message, SplitFallbackWarning, stacklevel=2)
 
@@ -582,6 +619,13 @@ class _Rewriter:
             return (f"it is used outside the split scope, by {outside[0].name} (type "
                     f"{outside[0].type})")
         return "no op on the path to the loss reads it"
+
+
+def _split_axis(rw: _Rewriter, layout) -> int:
+    """The axis a Sharded layout, or a sharded variable's read, is split along."""
+    if isinstance(layout, Pending):
+        return rw.sharded[layout.variable.op].axis
+    return layout.axis
 
 
 def _variable_read(op: tf.Operation, variables: dict):

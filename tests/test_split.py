@@ -300,8 +300,10 @@ def test_op_without_rule_on_sharded_input_warns_and_still_trains():
         warnings.simplefilter("always")
         _, _, graph = assert_oracle(build, optimizer="sgd")
     messages = [str(w.message) for w in caught if issubclass(w.category, SplitFallbackWarning)]
-    assert any(m.startswith("epl.split: op Softmax (type Softmax) has no split rule for "
-                            "its sharded input(s) MatMul:0") for m in messages), messages
+    assert any(m.startswith("epl.split: op Softmax (type Softmax) has a split rule, but not "
+                            "for its inputs split as they are (MatMul:0 split along axis 1); "
+                            "EPL gathers MatMul:0 and runs the op unsplit on one device.")
+               for m in messages), messages
     assert any("(type Softmax)" in f for f in graph_state(graph).splits[0].fallbacks)
 
 

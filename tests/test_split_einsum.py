@@ -272,3 +272,49 @@ def test_einsum_attention_and_feed_forward_match_single_device(mode):
     assert records["ffn"].unsharded == [
         "ffn/b_out: its first use, ffn/add_1 (type AddV2), combines it with partial sums (the "
         "result of a row-split layer, summed over the devices), which needs it whole"]
+
+
+def test_expert_count_not_divisible_by_the_split_degree_is_refused():
+    with pytest.raises(epl.PassError) as err:
+        assert_matches_single_device("moe_fastnn", moe_classifier(devices=3), "replica",
+                                     {"cluster.colocate_split_and_replicate": True})
+    assert ("the expert count 8 (axis 0 of moe_ffn/inter_experts, shape [8, 8, 16], read by "
+            "moe_ffn/dispatched_inter_outputs/Einsum) is not divisible by the split degree 3: "
+            "every device must hold whole experts. Use a number of experts divisible by 3, or "
+            "epl.split(device_count=d) with d dividing 8.") in str(err.value)
+
+
+def test_einsum_of_operands_split_along_different_labels_falls_back_with_a_warning():
+    """Two column-split projections (split along h and along e) contracted together:
+    no single label splits both, so the einsum runs on the gathered tensors."""
+    def build(rows):
+        x = tf.compat.v1.placeholder(tf.float32, [rows, SEQ, MODEL], name="tokens")
+        y = tf.compat.v1.placeholder(tf.float32, [rows, HIDDEN, HIDDEN], name="targets")
+
+        def model(tokens, targets):
+            with _split(2, name="bilinear"):
+                left = tf.compat.v1.get_variable("left", [MODEL, HIDDEN],
+                                                 initializer=_init([MODEL, HIDDEN], 30))
+                right = tf.compat.v1.get_variable("right", [MODEL, HIDDEN],
+                                                  initializer=_init([MODEL, HIDDEN], 31))
+                a = tf.einsum("bsd,dh->bsh", tokens, left)
+                c = tf.einsum("bsd,de->bse", tokens, right)
+                outer = tf.einsum("bsh,bse->bhe", a, c, name="outer")
+                return tf.reduce_mean(tf.square(outer - targets))
+
+        def feed(rng, n):
+            return {x: rng.randn(n, SEQ, MODEL), y: rng.randn(n, HIDDEN, HIDDEN)}
+        return model, (x, y), feed
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = assert_matches_single_device("bilinear", build, "replica",
+                                             {"cluster.colocate_split_and_replicate": True})
+    messages = [str(w.message) for w in caught if w.category is SplitFallbackWarning]
+    assert len(messages) == 1 and messages[0].startswith(
+        "epl.split: op outer/Einsum (type Einsum) has a split rule, but not for its inputs split as "
+        "they are (einsum/Einsum:0 split along axis 2; einsum_1/Einsum:0 split along axis 2); "
+        "EPL gathers einsum/Einsum:0, einsum_1/Einsum:0 and runs the op unsplit on one "
+        "device. Op types with split rules: "), messages
+    (record,) = graph_state(graph).splits
+    assert record.fallbacks == ["outer/Einsum (type Einsum)"]
