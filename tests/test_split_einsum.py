@@ -173,7 +173,8 @@ def einsum_transformer(devices: int = 4):
         def feed_forward(h):
             with tf.compat.v1.variable_scope("ffn", reuse=tf.compat.v1.AUTO_REUSE), \
                     _split(devices, name="ffn"):
-                w_in = tf.compat.v1.get_variable("w_in", [MODEL, FF], initializer=_init([MODEL, FF], 24))
+                w_in = tf.compat.v1.get_variable("w_in", [MODEL, FF],
+                                                 initializer=_init([MODEL, FF], 24))
                 b_in = tf.compat.v1.get_variable("b_in", [FF], initializer=_init([FF], 25, 0.1))
                 w_out = tf.compat.v1.get_variable("w_out", [FF, MODEL],
                                                   initializer=_init([FF, MODEL], 26))
@@ -242,10 +243,12 @@ def test_einsum_experts_match_single_device(mode, layout):
 
 
 @pytest.mark.parametrize("mode", ["replica", "global"])
-def test_einsum_attention_and_feed_forward_match_single_device(mode):
+def test_einsum_attention_and_feed_forward_match_single_device(mode, caplog):
     """Heads split over 4 devices (q, k, v by columns, the output projection by rows),
     the feed-forward layer by columns then rows: one partial sum per layer. The bias
-    added after the row-split layer stays whole, with a warning saying why."""
+    added after the row-split layer stays whole, with a warning saying why (also
+    logged to the "epl" logger)."""
+    caplog.set_level("WARNING", logger="epl")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graph = assert_matches_single_device("transformer", einsum_transformer(), mode)
@@ -269,6 +272,9 @@ def test_einsum_attention_and_feed_forward_match_single_device(mode):
         "op with a split rule (the weight of a MatMul, BatchMatMul or Einsum, an embedding "
         "table, the bias or scale of a split layer); create it outside epl.split to keep it "
         "whole without this warning."]
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("epl")
+              and r.levelname == "WARNING" and "stays whole" in r.getMessage()]
+    assert logged == unsharded
     assert records["ffn"].unsharded == [
         "ffn/b_out: its first use, ffn/add_1 (type AddV2), combines it with partial sums (the "
         "result of a row-split layer, summed over the devices), which needs it whole"]

@@ -126,7 +126,8 @@ def test_reads_built_after_minimize_see_the_full_value(use_resource):
         kernel, bias = _user_variable(graph, "cls_w"), _user_variable(graph, "cls_b")
         reads = {"identity": tf.identity(kernel), "read_value": kernel.read_value(),
                  "arithmetic": bias * 2.0, "gather": tf.gather(bias, [3, 17, 39]),
-                 "slice": kernel[:, 5:25], "initialized_value": bias.initialized_value()}
+                 "slice": kernel[:, 5:25], "initialized_value": bias.initialized_value(),
+                 "gather_nd": tf.compat.v1.gather_nd(kernel, [[0, 39], [15, 0]])}
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(train_op, data)
@@ -141,6 +142,7 @@ def test_reads_built_after_minimize_see_the_full_value(use_resource):
     np.testing.assert_array_equal(values["gather"], stored["cls_b"][[3, 17, 39]])
     np.testing.assert_array_equal(values["slice"], stored["cls_w"][:, 5:25])
     np.testing.assert_array_equal(values["initialized_value"], stored["cls_b"])
+    np.testing.assert_array_equal(values["gather_nd"], stored["cls_w"][[0, 15], [39, 0]])
 
 
 def test_assign_and_initializer_reach_every_shard():

@@ -271,8 +271,9 @@ def _scratch_import(view, forward: list, rows: int):
     graph_def = graph_pb2.GraphDef()
     stand_ins: dict = {}
     folded = shape_constants_of(view)   # the copies compute these from their slice
+    # where a split output's rows lie (epl/ir/split_boundary.py)
     rows_axes = batch_axes(view, [t for op in keep for t in op.inputs if t.op in split]) \
-        if split else {}                 # where a split output's rows lie (epl/ir/split_boundary.py)
+        if split else {}
     for op in sorted(keep, key=lambda o: o._id):
         node = graph_def.node.add()
         node.CopyFrom(op.node_def)
