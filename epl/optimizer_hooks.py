@@ -89,19 +89,33 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
 
 
 def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
-    """Run the split pass (graph_passes/split.py) on the finished forward graph.
+    """Run the split pass (graph_passes/split.py) on the finished forward graph,
+    when the graph has split TaskGraphs not split yet.
 
-    Only when the graph has split TaskGraphs not split yet. Returns var_list
-    with every full variable the pass sharded replaced by its shards (None
-    stays None: the optimizer then reads the trainable collection, where the
-    shards replaced the full variable).
+    Returns the variables to differentiate: var_list (None: the trainable
+    collection and trainable resource variables, as the optimizer reads them)
+    with every variable the split pass sharded replaced by its shards
+    (epl.sharded_variable: the user's variable object is a view of its
+    shards), also for an optimizer created after an earlier split. A graph
+    without split variables gets var_list unchanged.
     """
     from epl.ir.annotations import StrategyKind
     state = graph_state(graph)
     done = {record.taskgraph for record in state.splits}
-    if not any(tg.spec.kind == StrategyKind.SPLIT and tg.name not in done
-               for tg in state.taskgraphs):
+    if any(tg.spec.kind == StrategyKind.SPLIT and tg.name not in done
+           for tg in state.taskgraphs):
+        _run_split_pass(graph, loss, state)
+    if not state.splits:
         return var_list
+    from epl.sharded_variable import expand_views
+    if var_list is None:
+        var_list = (graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+                    + graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+    return expand_views(tf.nest.flatten(var_list))
+
+
+def _run_split_pass(graph: tf.Graph, loss: tf.Tensor, state) -> None:
+    """The split pass over the split TaskGraphs, with their plans (devices, shard weights)."""
     from epl.cluster import local_cluster
     from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
     from epl.planner.plan import split_layout
@@ -131,15 +145,6 @@ def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
     with graph.as_default(), internal_autodiff():
         PassManager([SplitPass()], instruments).run(graph, ctx)
     state.dumps_written = 1 + len(ctx.passes_run) if config.get("debug.dump_dir") else 0
-    if var_list is None:
-        return None
-    shards_of = {sharded.name: sharded.shards for record in ctx.artifacts["split"]
-                 for sharded in record.variables.values()}
-    mapped = []
-    for var in var_list:
-        name = getattr(getattr(var, "op", None), "name", None)
-        mapped.extend(shards_of.get(name, [var]))
-    return mapped
 
 
 def _tuple(weights):

@@ -16,7 +16,16 @@ region has a layout:
 - `Pending(variable)`: the read of a variable created in the region, not yet
   sharded; the first op that needs it sharded decides the axis ("the axis the
   layer needs") and the variable becomes a ShardedVariable
-  (epl/sharded_variable.py).
+  (epl/sharded_variable.py; the user's variable object becomes a view that
+  reads the full value from the shards).
+The region: the TaskGraph's ops on the path to the loss, and the ops built
+outside every scope that follow it (their latest input TaskGraph is this one,
+as graph_view resolves them: a loss or weight decay added after the split
+part). Its variables: those created under the scope, and those created under
+another split scope on the same devices and used only here (weights built in
+a layer's build() under one epl.split and used in its call() under another,
+as FastNN's MoE layer does). Reads of a sharded variable anywhere else (off
+the path, or in a replicated part) read the shards concatenated.
 A rule, registered per op type (`@rule("MatMul")`), maps the input layouts of
 one op to per-slot ops and output layouts. An op whose inputs are all full is
 left alone. An op with a sharded input and no rule (or a rule that does not
@@ -43,12 +52,33 @@ the rewritten ops (the loss outside the scope, a metric) it is gathered
 - SparseSoftmaxCrossEntropyWithLogits / SoftmaxCrossEntropyWithLogits over
   vocabulary-split logits: distributed max and sum of exponentials and the
   label logit from the shard that owns it; the logits are never gathered.
+- Einsum (tf.einsum), by equation labels: the split label is the label a
+  sharded operand is split along, or, for a variable no rule has sharded yet,
+  the label it shares with another operand and the output (the expert axis:
+  "egcm,emh->egch" splits e, whole experts per device, the tokens sliced to
+  match: the dispatch), else its first label only it and the output have (a
+  column split: "bsd,dh->bsh" splits h, "bsd,dnh->bsnh" splits the heads n).
+  Operands with the label are split along it, the others read whole on every
+  device; the output is sharded along the label when it keeps it and partial
+  sums when the label is contracted (the expert combine "gsec,egcm->gsm", a
+  row split "bsh,hd->bsd", an attention output projection "bqnh,nhd->bqd").
+  An einsum of partial sums with whole operands stays partial (it is linear).
+- Softmax / LogSoftmax over rows split along another axis (attention scores
+  split by heads); L2Loss of a split tensor or weight (weight decay): partial
+  sums of squares.
+
+A variable created under epl.split that no rule shards (a bias added to the
+summed result of a row-split layer, a weight read only by ops without a rule,
+or only outside the scope) stays whole on the first device, with a
+`SplitUnshardedVariableWarning` (a SplitFallbackWarning, also logged to the
+"epl" logger) naming it and why (the record's `unsharded`).
 
 Shard sizes come from the split plan (`SplitPlan`): even by default, or
 capability-weighted (epl.planner.planner.local_shard_weights) when device
 profiles say the devices differ. The pass records what it built on the graph's
 state (`SplitRecord`): the sharded variables, the dispatch slices and combine
-concats the replicate pass rewires, the replaced ops, and the fallbacks.
+concats the replicate pass rewires, the replaced ops, the fallbacks and the
+variables kept whole.
 """
 from __future__ import annotations
 
@@ -73,6 +103,15 @@ REPLACED_ATTR = "_epl_split_replaced"
 
 class SplitFallbackWarning(UserWarning):
     """An op inside epl.split has no rule for its sharded input; it runs unsplit."""
+
+
+class SplitUnshardedVariableWarning(SplitFallbackWarning):
+    """A variable created under epl.split is not sharded: it stays whole on one device."""
+
+
+# ops a variable's own construction adds (initialization, its first read)
+_INIT_OP_TYPES = frozenset({"AssignVariableOp", "Assign", "VarIsInitializedOp",
+                            "IsVariableInitialized", "ReadVariableOp", "Identity"})
 
 
 # --------------------------------------------------------------------------
@@ -168,6 +207,7 @@ class SplitRecord:
     replaced: ops the pass replaced (never run).
     ops: the ops the region runs (per-slot ops and ops left unsplit).
     fallbacks: "op (type)" of ops with a sharded input that ran unsplit.
+    unsharded: "variable: why" for variables created in the TaskGraph that stay whole.
     """
 
     taskgraph: str
@@ -178,6 +218,7 @@ class SplitRecord:
     replaced: set = dataclasses.field(default_factory=set)
     ops: list = dataclasses.field(default_factory=list)
     fallbacks: list = dataclasses.field(default_factory=list)
+    unsharded: list = dataclasses.field(default_factory=list)
 
     @property
     def spans_workers(self) -> bool:
@@ -232,6 +273,7 @@ class _Rewriter:
         self.sharded: dict = {}     # variable op -> ShardedVariable
         self._full_cache: dict = {}
         self._name = ""
+        self.readers: dict = {}     # variable op -> [(op, input layouts)] that read it in the walk
 
     # -- construction helpers ------------------------------------------------
     def attrs(self, slot: int | None) -> dict:
@@ -423,11 +465,16 @@ class _Rewriter:
             if pending_var is not None:
                 self.layouts[op.outputs[0]] = Pending(pending_var, op.outputs[0])
                 continue
-            layouts = [self.layouts.get(t) for t in op.inputs]
+            layouts = [self.layouts.get(t) or self._outside_read(t) for t in op.inputs]
             handle_var = _handle_input(op, variables)
             if all(layout is None for layout in layouts) and handle_var is None:
                 self.record.ops.append(op)
                 continue
+            for layout in layouts:
+                if isinstance(layout, Pending):
+                    self.readers.setdefault(layout.variable.op, []).append((op, layouts))
+            if handle_var is not None:
+                self.readers.setdefault(handle_var.op, []).append((op, layouts))
             self._name = op.name
             fn = RULES.get(op.type)
             first = len(self.graph.get_operations())
@@ -444,14 +491,25 @@ class _Rewriter:
             self.record.replaced.add(op)
             self.record.ops.extend(self.graph.get_operations()[first:])
 
+    def _outside_read(self, tensor: tf.Tensor):
+        """Pending for a read of a region variable made outside the region (a reference
+        variable's snapshot, built where the variable was created); else None."""
+        variable = _variable_read(tensor.op, self.variables)
+        if variable is None:
+            return None
+        layout = Pending(variable, tensor)
+        self.layouts[tensor] = layout
+        return layout
+
     def _fallback(self, op: tf.Operation, layouts: list) -> None:
         """Run `op` unsplit on gathered inputs; warn when a sharded input was gathered."""
-        gathered = [t for t, layout in zip(op.inputs, layouts)
-                    if isinstance(layout, Sharded)
-                    or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+        split_inputs = [(t, layout) for t, layout in zip(op.inputs, layouts)
+                        if isinstance(layout, Sharded)
+                        or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+        gathered = [t for t, _ in split_inputs]
         if gathered:
             self._refuse_across_workers(
-                f"op {op.name} (type {op.type}) has no split rule for its sharded input(s)")
+                f"op {op.name} (type {op.type}) is not split: no rule covers its sharded input(s)")
         first = len(self.graph.get_operations())
         for index, (tensor, layout) in enumerate(zip(list(op.inputs), layouts)):
             if layout is not None and not (isinstance(layout, Pending)
@@ -462,16 +520,24 @@ class _Rewriter:
         if gathered:
             what = f"{op.name} (type {op.type})"
             self.record.fallbacks.append(what)
-            message = (
-                f"epl.split: op {what} has no split rule for its sharded input(s) "
-                f"{', '.join(t.name for t in gathered)}; EPL gathers the full tensor and runs "
-                f"the op unsplit on one device. Op types with split rules: "
-                f"{', '.join(splittable_op_types())}.")
+            inputs = ", ".join(t.name for t in gathered)
+            if op.type in RULES:
+                how = "; ".join(f"{t.name} split along axis {_split_axis(self, layout)}"
+                                for t, layout in split_inputs)
+                problem = (f"has a split rule, but not for its inputs split as they are ({how})"
+                           f"; EPL gathers {inputs} and runs the op unsplit on one device")
+            else:
+                problem = (f"has no split rule for its sharded input(s) {inputs}; EPL gathers "
+                           "the full tensor and runs the op unsplit on one device")
+            message = (f"epl.split: op {what} {problem}. Op types with split rules: "
+                       f"{', '.join(splittable_op_types())}.")
             _LOG.warning("%s", message)
             warnings.warn(message, SplitFallbackWarning, stacklevel=2)
 
     def finish(self, region: set) -> None:
-        """Gather or sum values read outside the rewritten ops; place the region's ops."""
+        """Gather or sum values read outside the rewritten ops; place the region's ops;
+        warn about the TaskGraph's variables that stay whole."""
+        self._redirect_other_reads()
         for tensor, layout in list(self.layouts.items()):
             if isinstance(layout, Pending) and layout.variable.op not in self.sharded:
                 continue
@@ -487,6 +553,79 @@ class _Rewriter:
         for op in list(region) + self.record.ops:
             if not op.device and op not in self.record.replaced:
                 op._set_device(self.plan.devices[0])
+        self._report_unsharded(region)
+
+    def _redirect_other_reads(self) -> None:
+        """Reads of a sharded variable that the walk did not see (built outside the
+        split scope, e.g. a weight decay over trainable_variables(), or off the path
+        to the loss, e.g. a metric) read the full value assembled from the shards."""
+        for variable_op, sharded in self.sharded.items():
+            handle = variable_op.outputs[0]
+            for read in list(handle.consumers()):
+                if read in self.record.replaced or read.outputs and read.outputs[0] in self.layouts:
+                    continue
+                if read.type in ("ReadVariableOp", "Identity") and read.outputs:
+                    gathered = read.outputs[0]
+                    pending = Pending(self.variables[variable_op], gathered)
+                    for consumer in list(gathered.consumers()):
+                        self._name = consumer.name
+                        first = len(self.graph.get_operations())
+                        replace_input(consumer, gathered, self.value(pending, gathered))
+                        self.record.ops.extend(self.graph.get_operations()[first:])
+                elif read.type == "ResourceGather" and read.get_attr("batch_dims") == 0:
+                    self._name = read.name
+                    first = len(self.graph.get_operations())
+                    pending = Pending(self.variables[variable_op], handle)
+                    with self.gathering(read.name):
+                        rows = tf.gather(self.value(pending, handle), read.inputs[1])
+                    for consumer in list(read.outputs[0].consumers()):
+                        replace_input(consumer, read.outputs[0], rows)
+                    self.record.ops.extend(self.graph.get_operations()[first:])
+
+    def _report_unsharded(self, region: set) -> None:
+        """A SplitUnshardedVariableWarning (and the "epl" logger) for each variable
+        created in the TaskGraph that no rule sharded, saying why."""
+        for variable_op, variable in self.variables.items():
+            if variable_op in self.sharded:
+                continue
+            reason = self._why_whole(variable_op, region)
+            name = variable_op.name
+            self.record.unsharded.append(f"{name}: {reason}")
+            message = (
+                f"epl.split: variable {name} (shape {variable.shape.as_list()}) is created under "
+                f"epl.split ({self.taskgraph}) but stays whole, not split over the {self.k} "
+                f"devices: {reason}. Variables under epl.split are sharded by their first use "
+                "in an op with a split rule (the weight of a MatMul, BatchMatMul or Einsum, an "
+                "embedding table, the bias or scale of a split layer); create it outside "
+                "epl.split to keep it whole without this warning.")
+            _LOG.warning("%s", message)
+            warnings.warn(message, SplitUnshardedVariableWarning, stacklevel=2)
+
+    def _why_whole(self, variable_op, region: set) -> str:
+        readers = self.readers.get(variable_op)
+        if readers:
+            op, layouts = readers[0]
+            what = f"its first use, {op.name} (type {op.type}),"
+            if any(isinstance(l, Partial) for l in layouts):
+                return (f"{what} combines it with partial sums (the result of a row-split "
+                        "layer, summed over the devices), which needs it whole")
+            if op.type not in RULES:
+                return f"{what} has no split rule"
+            return f"{what} reads it whole (its split rule splits none of its inputs here)"
+        outside = [op for t in variable_op.outputs for r in t.consumers()
+                   for op in ([r] + [c for o in r.outputs for c in o.consumers()])
+                   if op not in region and op.type not in _INIT_OP_TYPES]
+        if outside:
+            return (f"it is used outside the split scope, by {outside[0].name} (type "
+                    f"{outside[0].type})")
+        return "no op on the path to the loss reads it"
+
+
+def _split_axis(rw: _Rewriter, layout) -> int:
+    """The axis a Sharded layout, or a sharded variable's read, is split along."""
+    if isinstance(layout, Pending):
+        return rw.sharded[layout.variable.op].axis
+    return layout.axis
 
 
 def _variable_read(op: tf.Operation, variables: dict):
@@ -614,6 +753,152 @@ def _expert_matmul(rw: _Rewriter, op, layouts):
     return [Sharded(parts, op.outputs[0].shape.rank - 3, sb.sizes)]
 
 
+def _einsum_labels(op):
+    """(labels of each operand, labels of the output) of an Einsum op, one label
+    per axis; an ellipsis becomes one label per axis it covers, right-aligned
+    across operands as broadcasting aligns them. None when a rank is unknown or a
+    label repeats within one term (a diagonal or trace)."""
+    equation = op.get_attr("equation")
+    equation = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
+    if "->" not in equation:
+        return None
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    ranks = [t.shape.rank for t in op.inputs]
+    if None in ranks or len(terms) != len(ranks):
+        return None
+    spans = [rank - (len(term) - 3) if "..." in term else 0 for term, rank in zip(terms, ranks)]
+    width = max(spans + [0])
+    spare = [chr(0x100 + i) for i in range(width)]   # labels no equation spells
+
+    def expand(term: str, span: int) -> list:
+        if "..." not in term:
+            return list(term)
+        head, tail = term.split("...")
+        return list(head) + spare[width - span:] + list(tail)
+
+    labels = [expand(term, span) for term, span in zip(terms, spans)]
+    out_labels = expand(out, width)
+    if any(len(l) != len(set(l)) for l in labels + [out_labels]) \
+            or any(len(l) != rank for l, rank in zip(labels, ranks)):
+        return None
+    return labels, out_labels
+
+
+def _einsum_weight_axis(labels: list, out: list, index: int):
+    """(axis, expert) along which to shard operand `index` (a variable no rule has
+    sharded yet), or None to keep it whole. First choice: a label it shares with
+    another operand and the output (the expert axis of an [experts, d, h] weight
+    in "egcm,emh->egch": whole experts per device, the tokens sliced to match);
+    then the first label only it and the output have (a column split, as
+    "bsd,dh->bsh" splits h: the output is sharded, no collective)."""
+    others = set()
+    for i, term in enumerate(labels):
+        if i != index:
+            others.update(term)
+    own = labels[index]
+    for axis, label in enumerate(own):
+        if label in others and label in out:
+            return axis, True
+    for axis, label in enumerate(own):
+        if label not in others and label in out:
+            return axis, False
+    return None
+
+
+@rule("Einsum")
+def _einsum(rw: _Rewriter, op, layouts):
+    """tf.einsum on split operands, by the label that is split.
+
+    The split label comes from a sharded operand (all sharded operands must be
+    split along the same label and extents), or, when none is sharded yet, from
+    the first variable operand (`_einsum_weight_axis`). Every operand that has
+    the label is split along it (a variable becomes shards; a full tensor is
+    sliced: the dispatch of tokens to expert devices), the others are read
+    whole on every device, and each device runs the einsum on its slices. The
+    output is sharded along the label when the output keeps it ("egcm,emh->egch"
+    keeps e; "bsd,dh->bsh" keeps h), and partial sums when the label is
+    contracted ("gsec,egcm->gsm", the expert combine; "bsh,hd->bsd", a row
+    split): one sum where the whole value is read. Partial sums go through an
+    einsum whose other operands are whole (it is linear in each operand).
+    """
+    parsed = _einsum_labels(op)
+    if parsed is None:
+        return KEEP if all(_is_full(l) for l in layouts) else None
+    labels, out = parsed
+    partial = [i for i, l in enumerate(layouts) if isinstance(l, Partial)]
+    sharded = [i for i, l in enumerate(layouts) if isinstance(l, Sharded)]
+    if partial:
+        if len(partial) > 1 or sharded:
+            return None
+        values = [None if i in partial else rw.value(l, t)
+                  for i, (l, t) in enumerate(zip(layouts, op.inputs))]
+        parts = _clone_on_slots(rw, op, lambda j: [layouts[i].parts[j] if i in partial
+                                                   else values[i] for i in range(len(values))])
+        return [Partial(parts)]
+    expert, order = False, list(range(len(op.inputs)))
+    if sharded:
+        first = layouts[sharded[0]]
+        label, sizes = labels[sharded[0]][first.axis], first.sizes
+        full = op.inputs[sharded[0]].shape[first.axis]
+        if any(labels[i][layouts[i].axis] != label or layouts[i].sizes != sizes
+               for i in sharded):
+            return None
+    else:
+        pending = [i for i, l in enumerate(layouts) if isinstance(l, Pending)]
+        choice = _einsum_weight_axis(labels, out, pending[0]) if pending else None
+        if choice is None:
+            return KEEP
+        axis, expert = choice
+        label, sizes = labels[pending[0]][axis], None
+        full = op.inputs[pending[0]].shape[axis]
+        order = [pending[0]] + [i for i in order if i != pending[0]]   # its shards set the sizes
+    if full is None:
+        return None
+    parts_of = {}
+    for i in order:
+        tensor, layout = op.inputs[i], layouts[i]
+        axis = labels[i].index(label) if label in labels[i] else None
+        if axis is not None and tensor.shape[axis] == 1 and full != 1:
+            axis = None                                  # broadcast along the split label
+        if axis is None:
+            if isinstance(layout, Sharded):
+                return None
+            value = rw.value(layout, tensor)
+            parts_of[i] = [value] * rw.k
+        elif isinstance(layout, Sharded):
+            parts_of[i] = layout.parts
+        elif isinstance(layout, Pending):
+            what, divide = "", False
+            if expert:
+                what, divide = _check_whole_experts(rw, op, layout, tensor, axis, label)
+            split = _as_sharded(rw, layout, tensor, axis, sizes, what, must_divide=divide)
+            if split is None:
+                return None
+            parts_of[i], sizes = split.parts, split.sizes
+        else:
+            parts_of[i] = rw.slice(rw.value(layout, tensor), axis, sizes).parts
+    parts = _clone_on_slots(rw, op, lambda j: [parts_of[i][j] for i in range(len(op.inputs))])
+    if label in out:
+        return [Sharded(parts, out.index(label), sizes)]
+    return [Partial(parts)]
+
+
+def _check_whole_experts(rw: _Rewriter, op, layout: Pending, tensor, axis: int, label: str):
+    """(what, must_divide) for sharding an expert axis; refuses a count that the
+    split degree does not divide (every device holds whole experts)."""
+    variable = layout.variable
+    experts = int(tensor.shape[axis])
+    what = (f"expert count {experts} (axis {axis} of {variable.op.name}, shape "
+            f"{tensor.shape.as_list()}, read by {op.name})")
+    if experts % rw.k and variable.op not in rw.sharded:
+        raise ParallelizeError(
+            f"the {what} is not divisible by the split degree {rw.k}: every device must "
+            f"hold whole experts. Use a number of experts divisible by {rw.k}, or "
+            f"epl.split(device_count=d) with d dividing {experts}.")
+    return what, True
+
+
 UNARY = ("Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Log", "Neg", "Square",
          "Sqrt", "Rsqrt", "Abs", "Softplus", "Erf", "Identity", "Cast", "LeakyRelu", "StopGradient",
          "Reciprocal", "Sin", "Cos")
@@ -687,6 +972,29 @@ def _binary(rw: _Rewriter, op, layouts):
     if px is None or py is None:
         return None
     return [Sharded(_clone_on_slots(rw, op, lambda j: [px[j], py[j]]), out_axis, sharded.sizes)]
+
+
+@rule("L2Loss")
+def _l2_loss(rw: _Rewriter, op, layouts):
+    """tf.nn.l2_loss (weight decay) of a split tensor or a sharded variable: each
+    device's share of the sum of squares, a partial sum (no gather)."""
+    (layout,) = layouts
+    if isinstance(layout, Pending) and layout.variable.op in rw.sharded:
+        layout = rw.shard_variable(layout, rw.sharded[layout.variable.op].axis)
+    if isinstance(layout, Sharded):
+        return [Partial(_clone_on_slots(rw, op, lambda j: [layout.parts[j]]))]
+    return KEEP if _is_full(layout) else None
+
+
+@rule("Softmax", "LogSoftmax")
+def _softmax(rw: _Rewriter, op, layouts):
+    """Softmax over the last axis of a tensor split along another axis (attention
+    scores split by heads): each device normalizes its own rows."""
+    (layout,) = layouts
+    if isinstance(layout, Sharded) and layout.axis != op.inputs[0].shape.rank - 1:
+        parts = _clone_on_slots(rw, op, lambda j: [layout.parts[j]])
+        return [Sharded(parts, layout.axis, layout.sizes)]
+    return KEEP if _is_full(layout) else None
 
 
 @rule("BiasAdd")
@@ -879,16 +1187,21 @@ class SplitPass(GraphPass):
         path = ancestors([loss.op])
         done = {record.taskgraph for record in state.splits}
         records, notes = [], []
-        for taskgraph in state.taskgraphs:
-            if taskgraph.spec.kind != StrategyKind.SPLIT or taskgraph.name in done:
-                continue
-            tagged = [op for op in graph.get_operations()
-                      if op.node_def.attr.get(TASKGRAPH_ATTR) is not None
-                      and op.node_def.attr[TASKGRAPH_ATTR].s.decode() == taskgraph.name]
+        todo = [tg for tg in state.taskgraphs
+                if tg.spec.kind == StrategyKind.SPLIT and tg.name not in done]
+        tagged_of = {tg.name: [] for tg in todo}
+        followers = _follow_inputs(path, state.taskgraphs)
+        for op in graph.get_operations():
+            name = _taskgraph_of(op) or followers.get(op)
+            if name in tagged_of:
+                tagged_of[name].append(op)
+        owned = _owned_variables(graph, tagged_of, plans)
+        for taskgraph in todo:
+            tagged = tagged_of[taskgraph.name]
             region = [op for op in tagged if op in path]
             if not region:
                 continue
-            variables = _region_variables(graph, tagged)
+            variables = owned[taskgraph.name]
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
             cross = ctx.communicator.cross if ctx.communicator is not None else None
             rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
@@ -907,7 +1220,9 @@ class SplitPass(GraphPass):
                          f"{len(record.plan.devices)} devices "
                          f"({', '.join(f'{n} axis {v.axis} sizes {list(v.sizes)}' for n, v in record.variables.items())})"
                          + (f"; unsplit fallbacks: {', '.join(record.fallbacks)}"
-                            if record.fallbacks else ""))
+                            if record.fallbacks else "")
+                         + (f"; kept whole: {'; '.join(record.unsharded)}"
+                            if record.unsharded else ""))
         state.splits.extend(records)
         ctx.artifacts[self.name] = records
         added = [op.name for op in graph.get_operations() if op not in before]
@@ -915,6 +1230,62 @@ class SplitPass(GraphPass):
         if replaced:  # they stay in the graph (TensorFlow cannot delete ops) and never run
             notes.append(f"replaced, never run: {', '.join(replaced)}")
         return PassResult(added=added, notes=notes)
+
+
+def _taskgraph_of(op: tf.Operation) -> str | None:
+    attr = op.node_def.attr.get(TASKGRAPH_ATTR)
+    return attr.s.decode() if attr is not None else None
+
+
+def _follow_inputs(path: set, taskgraphs: list) -> dict:
+    """Untagged ops on the path to the loss -> the TaskGraph they will follow.
+
+    An op built outside every scope takes the latest TaskGraph among its inputs
+    (epl/ir/graph_view.py); one that follows a split TaskGraph (a loss or weight
+    decay added outside the split scope to what the split part computed) is part
+    of that TaskGraph's region: rewritten and placed with it.
+    """
+    index = {tg.name: tg.index for tg in taskgraphs}
+    resolved: dict = {}      # op on the path -> its TaskGraph name (tagged or followed)
+    followers: dict = {}
+    for op in sorted(path, key=lambda o: o._id):   # creation order: inputs first
+        name = _taskgraph_of(op)
+        if name is None and op.type not in VARIABLE_OP_TYPES:
+            names = [resolved[t.op] for t in op.inputs if t.op in resolved]
+            if names:
+                name = followers[op] = max(names, key=lambda n: index.get(n, -1))
+        if name is not None:
+            resolved[op] = name
+    return followers
+
+
+def _owned_variables(graph: tf.Graph, tagged_of: dict, plans: dict) -> dict:
+    """TaskGraph name -> {variable op: tf.Variable} of the variables each split
+    TaskGraph shards: those created in it, except a variable whose every use is in
+    one other split TaskGraph on the same devices, which that one shards (weights
+    created under one epl.split scope, e.g. in a layer's build(), and used under
+    another, in its call(), as FastNN's MoE layer does)."""
+    owned = {name: _region_variables(graph, tagged) for name, tagged in tagged_of.items()}
+    for name, variables in owned.items():
+        for variable_op in list(variables):
+            users = _user_taskgraphs(variable_op)
+            if len(users) != 1:
+                continue
+            (user,) = users
+            if user != name and user in owned and plans.get(user) == plans.get(name):
+                owned[user][variable_op] = variables.pop(variable_op)
+    return owned
+
+
+def _user_taskgraphs(variable_op: tf.Operation) -> set:
+    """TaskGraph names (None: untagged) of the ops that use the values of a variable."""
+    users = set()
+    for consumer in variable_op.outputs[0].consumers():
+        if consumer.type in ("ReadVariableOp", "Identity", "ResourceGather"):
+            users.update(_taskgraph_of(op) for out in consumer.outputs for op in out.consumers())
+            if consumer.type == "ResourceGather":
+                users.add(_taskgraph_of(consumer))
+    return users
 
 
 def _region_variables(graph: tf.Graph, tagged: list) -> dict:

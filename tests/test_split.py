@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import epl
 import epl.layers as layers
-from epl.sharded_variable import full_values
+from epl.sharded_variable import full_values, shards_of
 from epl import env
 from epl.ir.taskgraph import graph_state
 from graph_passes.split import SplitFallbackWarning
@@ -220,10 +220,11 @@ def test_uneven_shards_follow_device_capability():
 def test_per_device_parameter_bytes_are_one_kth():
     _, _, graph = train(classifier(4000), steps=1)
     per_device: dict = {}
-    for variable in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES):
-        if variable.op.name.startswith("classifier/kernel"):
-            nbytes = variable.shape.num_elements() * 4
-            per_device[variable.device] = per_device.get(variable.device, 0) + nbytes
+    (kernel,) = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+                 if v.op.name == "classifier/kernel"]
+    for shard in shards_of(kernel):
+        nbytes = shard.shape.num_elements() * 4
+        per_device[shard.device] = per_device.get(shard.device, 0) + nbytes
     whole = 16 * 4000 * 4
     assert sorted(per_device) == [f"/device:CPU:{i}" for i in range(4)]
     assert all(nbytes == whole // 4 for nbytes in per_device.values())
@@ -299,8 +300,10 @@ def test_op_without_rule_on_sharded_input_warns_and_still_trains():
         warnings.simplefilter("always")
         _, _, graph = assert_oracle(build, optimizer="sgd")
     messages = [str(w.message) for w in caught if issubclass(w.category, SplitFallbackWarning)]
-    assert any(m.startswith("epl.split: op Softmax (type Softmax) has no split rule for "
-                            "its sharded input(s) MatMul:0") for m in messages), messages
+    assert any(m.startswith("epl.split: op Softmax (type Softmax) has a split rule, but not "
+                            "for its inputs split as they are (MatMul:0 split along axis 1); "
+                            "EPL gathers MatMul:0 and runs the op unsplit on one device.")
+               for m in messages), messages
     assert any("(type Softmax)" in f for f in graph_state(graph).splits[0].fallbacks)
 
 

@@ -21,14 +21,90 @@ the batch (batch axis 0). This module builds the exchanges between the two:
 
 Row boundaries follow the replicas' batch shares: round(rows x cumulative
 share), exact when the rows are the batch times a constant (tokens per example).
+
+The rows of a tensor lie along its batch axis (`batch_axes`), axis 0 unless
+the model moves the examples elsewhere: FastNN's expert layout
+tf.einsum("GSEC,GSM->EGCM", ...) puts experts first and the groups (examples)
+second, so its replicas' slices are concatenated, and its rows cut, along axis 1.
 """
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 
 from epl.ir.annotations import REPLICA_ATTR
-from epl.ir.clone import replace_input
-from epl.ir.graph_view import descendants
+from epl.ir.clone import COLOCATION_ATTR, replace_input
+from epl.ir.graph_view import ancestors, descendants
+
+
+def batch_axes(view, tensors) -> dict:
+    """{tensor: the axis that holds its examples} for batch-derived `tensors`.
+
+    Found by TensorFlow's shape inference on a scratch copy of the ops that
+    compute them (the user's graph is not touched), with the batch inputs given
+    an unknown first dimension: the one axis that becomes unknown. Axis 0 when
+    no single axis does (a batch size baked into a constant, or a graph the
+    scratch copy cannot stand for).
+    """
+    tensors = [t for t in tensors if t.shape.rank]
+    if not tensors:
+        return {}
+    scratch = _unknown_batch_copy(view, {t.op for t in tensors})
+    axes = {}
+    for tensor in tensors:
+        axes[tensor] = 0
+        if scratch is None:
+            continue
+        copy = scratch.get_tensor_by_name(tensor.name).shape
+        if copy.rank != tensor.shape.rank:
+            continue
+        unknown = [axis for axis, (a, b) in enumerate(zip(tensor.shape.as_list(), copy.as_list()))
+                   if a is not None and b is None]
+        if len(unknown) == 1:
+            axes[tensor] = unknown[0]
+    return axes
+
+
+def _unknown_batch_copy(view, targets: set):
+    """A scratch graph of the ops `targets` need, the batch inputs replaced by
+    placeholders with an unknown first dimension (None if it cannot be built)."""
+    batch = set(view.batch_inputs)
+    keep = ancestors(targets) - ancestors({t.op for t in batch})
+    names = {op.name for op in keep}
+    graph_def = graph_pb2.GraphDef()
+    stand_ins: dict = {}
+
+    def stand_in(tensor: tf.Tensor, unknown_rows: bool) -> str:
+        if tensor not in stand_ins:
+            node = graph_def.node.add()
+            node.name = f"EPL_SCRATCH_INPUT/{len(stand_ins)}"
+            node.op = "Placeholder"
+            node.attr["dtype"].type = tensor.dtype.base_dtype.as_datatype_enum
+            if tensor.shape.rank is not None:
+                shape = tensor.shape.as_list()
+                if unknown_rows and shape:
+                    shape[0] = None
+                node.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+            stand_ins[tensor] = node.name
+        return stand_ins[tensor]
+
+    for op in sorted(keep, key=lambda o: o._id):
+        node = graph_def.node.add()
+        node.CopyFrom(op.node_def)
+        del node.input[:]
+        if COLOCATION_ATTR in node.attr:
+            del node.attr[COLOCATION_ATTR]
+        for tensor in op.inputs:
+            node.input.append(tensor.name if tensor.op.name in names and tensor not in batch
+                              else stand_in(tensor, tensor in batch))
+        node.input.extend(f"^{c.name}" for c in op.control_inputs if c.name in names)
+    scratch = tf.Graph()
+    try:
+        with scratch.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    except (ValueError, tf.errors.InvalidArgumentError):
+        return None
+    return scratch
 
 
 class SplitBoundary:
@@ -43,6 +119,10 @@ class SplitBoundary:
         self.slicers = {t: s for record in records for t, s in record.slicers.items()}
         self.gathers = {t: g for record in records for t, g in record.gathers.items()}
         self.batch_derived = descendants(view.batch_inputs)
+        boundary = {t for op in view.split_ops for t in op.inputs
+                    if t.op not in self.split_set and t.op in self.batch_derived}
+        boundary |= {t for op in view.split_ops for t in op.outputs if t.op in self.batch_derived}
+        self.axes = batch_axes(view, sorted(boundary, key=lambda t: (t.op._id, t.value_index)))
         self._cache: dict = {}
 
     # -- split -> replicas -----------------------------------------------------
@@ -61,34 +141,36 @@ class SplitBoundary:
             return tensor
         device = self.replica_device(k)
         gather = self.gathers.get(tensor)
+        rows_axis = self.axes.get(tensor, 0)
         with tf.name_scope("EPL_SPLIT_BOUNDARY"), \
                 tensor.graph._attr_scope({REPLICA_ATTR: tf.compat.v1.AttrValue(i=k)}):
-            if gather is not None and gather[1] != 0:      # all-to-all back: shards -> replica k
+            if gather is not None and gather[1] != rows_axis:   # all-to-all back: shards -> k
                 parts, axis = gather
                 pieces = []
                 for part in parts:
                     with tf.device(part.device):
-                        pieces.append(self._rows(part, k))
+                        pieces.append(self._rows(part, k, rows_axis))
                 with tf.device(device):
                     return tf.concat(pieces, axis=axis)
             with tf.device(tensor.device):
-                return self._rows(tensor, k)
+                return self._rows(tensor, k, rows_axis)
 
-    def _rows(self, tensor: tf.Tensor, k: int) -> tf.Tensor:
-        """Replica k's rows (axis 0) of a tensor over the global batch."""
+    def _rows(self, tensor: tf.Tensor, k: int, axis: int = 0) -> tf.Tensor:
+        """Replica k's rows (along `axis`) of a tensor over the global batch."""
         weights = self.weights
-        static = tensor.shape[0] if tensor.shape.rank else None
+        static = tensor.shape[axis] if tensor.shape.rank else None
+        lead = (slice(None),) * axis
         if static is not None and all(isinstance(w, float) for w in weights):
             bounds = [int(round(static * sum(weights[:j]))) for j in range(len(weights))]
             bounds.append(static)
-            return tensor[bounds[k]:bounds[k + 1]]
-        rows = tf.cast(tf.shape(tensor, out_type=tf.int64)[0], tf.float64)
+            return tensor[lead + (slice(bounds[k], bounds[k + 1]),)]
+        rows = tf.cast(tf.shape(tensor, out_type=tf.int64)[axis], tf.float64)
         cumulative = [tf.add_n([tf.cast(w, tf.float64) for w in weights[:j]]) if j else
                       tf.constant(0.0, tf.float64) for j in range(len(weights))]
         start = tf.cast(tf.round(rows * cumulative[k]), tf.int64)
         end = (tf.cast(tf.round(rows * cumulative[k + 1]), tf.int64) if k + 1 < len(weights)
                else tf.cast(rows, tf.int64))
-        return tensor[start:end]
+        return tensor[lead + (slice(start, end),)]
 
     # -- replicas -> split -----------------------------------------------------
     def connect_inputs(self, forward_copies: dict) -> list:
@@ -107,9 +189,10 @@ class SplitBoundary:
                 copies = [forward_copies[k][tensor.op].outputs[tensor.value_index]
                           for k in range(replicas)]
                 slicer = self.slicers.get(op.outputs[0]) if op.outputs else None
-                if slicer is not None and slicer.source is tensor and slicer.axis != 0 \
+                rows_axis = self.axes.get(tensor, 0)
+                if slicer is not None and slicer.source is tensor and slicer.axis != rows_axis \
                         and tensor.op in self.batch_derived:
-                    dispatched = self._dispatch(copies, slicer, op.device)
+                    dispatched = self._dispatch(copies, slicer, op.device, rows_axis)
                     for consumer in list(op.outputs[0].consumers()):
                         replace_input(consumer, op.outputs[0], dispatched)
                     bypassed.append(op)
@@ -117,8 +200,9 @@ class SplitBoundary:
                 replace_input(op, tensor, self._gathered(tensor, copies, op.device))
         return bypassed
 
-    def _dispatch(self, copies: list, slicer, device: str) -> tf.Tensor:
-        """All-to-all: each replica sends the device its slice along slicer.axis."""
+    def _dispatch(self, copies: list, slicer, device: str, rows_axis: int = 0) -> tf.Tensor:
+        """All-to-all: each replica sends the device its slice along slicer.axis (its
+        rows lie along rows_axis)."""
         pieces = []
         for k, copy in enumerate(copies):
             begin = [0] * copy.shape.rank
@@ -127,7 +211,7 @@ class SplitBoundary:
             with tf.device(copy.device), tf.name_scope("EPL_SPLIT_DISPATCH"):
                 pieces.append(tf.slice(copy, begin, size))
         with tf.device(device), tf.name_scope("EPL_SPLIT_DISPATCH"):
-            return tf.concat(pieces, axis=0)
+            return tf.concat(pieces, axis=rows_axis)
 
     def _gathered(self, tensor: tf.Tensor, copies: list, device: str) -> tf.Tensor:
         key = (tensor, device)
@@ -139,6 +223,6 @@ class SplitBoundary:
             elif tensor.op not in self.batch_derived:
                 value = copies[0]
             else:                            # all-gather of the replicas' rows
-                value = tf.concat(copies, axis=0)
+                value = tf.concat(copies, axis=self.axes.get(tensor, 0))
         self._cache[key] = value
         return value

@@ -61,6 +61,7 @@ from epl.ir.annotations import Phase
 from epl.ir.clone import COLOCATION_ATTR, NodeBatch, copy_node_def
 from epl.ir.graph_view import (ITERATOR_OUTPUT_TYPES, PLACEHOLDER_TYPES, ancestors,
                                calls_functions, descendants)
+from epl.ir.split_boundary import batch_axes
 
 BATCH_MODE_KEY = "io.batch_mode"
 REPLICA_MODE, GLOBAL_MODE = "replica", "global"
@@ -291,6 +292,9 @@ def _scratch_import(view, forward: list, rows: int):
     graph_def = graph_pb2.GraphDef()
     stand_ins: dict = {}
     folded = shape_constants_of(view)   # the copies compute these from their slice
+    # where a split output's rows lie (epl/ir/split_boundary.py)
+    rows_axes = batch_axes(view, [t for op in keep for t in op.inputs if t.op in split]) \
+        if split else {}
     for op in sorted(keep, key=lambda o: o._id):
         node = graph_def.node.add()
         node.CopyFrom(op.node_def)
@@ -309,7 +313,8 @@ def _scratch_import(view, forward: list, rows: int):
         else:
             for tensor in op.inputs:
                 node.input.append(tensor.name if tensor.op.name in names else _stand_in(
-                    graph_def, stand_ins, tensor, unknown_rows=tensor.op in split))
+                    graph_def, stand_ins, tensor, unknown_rows=tensor.op in split,
+                    rows_axis=rows_axes.get(tensor, 0)))
         node.input.extend(f"^{c.name}" for c in op.control_inputs
                           if c.name in names and op not in sources and op not in folded)
     scratch = tf.Graph()
@@ -321,8 +326,10 @@ def _scratch_import(view, forward: list, rows: int):
     return scratch, None
 
 
-def _stand_in(graph_def, stand_ins: dict, tensor: tf.Tensor, unknown_rows: bool = False) -> str:
-    """A placeholder standing in for `tensor` (outside the imported region)."""
+def _stand_in(graph_def, stand_ins: dict, tensor: tf.Tensor, unknown_rows: bool = False,
+              rows_axis: int = 0) -> str:
+    """A placeholder standing in for `tensor` (outside the imported region); with
+    unknown_rows its `rows_axis` is unknown."""
     if tensor not in stand_ins:
         node = graph_def.node.add()
         node.name = f"EPL_SCRATCH_INPUT/{len(stand_ins)}"
@@ -331,7 +338,7 @@ def _stand_in(graph_def, stand_ins: dict, tensor: tf.Tensor, unknown_rows: bool 
         if tensor.shape.rank is not None:
             shape = tensor.shape.as_list()
             if unknown_rows and shape:
-                shape[0] = None
+                shape[rows_axis] = None
             node.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
         stand_ins[tensor] = node.name
     return stand_ins[tensor]
