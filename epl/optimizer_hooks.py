@@ -25,6 +25,7 @@ import threading
 import tensorflow as tf
 
 from epl.env import get_config, is_initialized
+from epl.errors import ParallelizeError
 from epl.ir.annotations import PHASE_ATTR, Phase
 from epl.ir.taskgraph import TrainStep, graph_state
 from epl.strategies import check_graph_mode
@@ -210,6 +211,7 @@ def _user_gradients(original, *args, **kwargs):
         call["colocate_gradients_with_ops"] = True
     ys, xs = call["ys"], call["xs"]
     graph = tf.compat.v1.get_default_graph()
+    _refuse_split(graph)
     first = len(graph.get_operations())
     with internal_autodiff():
         grads = original(*bound.args, **bound.kwargs)
@@ -227,6 +229,22 @@ def _user_gradients(original, *args, **kwargs):
             loss=loss, grads_and_vars=pairs, gradient_kwargs=kwargs_,
             backward_ops=graph.get_operations()[first:], from_gradients=True))
     return grads
+
+
+def _refuse_split(graph: tf.Graph) -> None:
+    """tf.gradients of a model with epl.split TaskGraphs: the split pass rewrites the
+    forward graph before autodiff, which EPL does for the optimizer's
+    compute_gradients (and minimize) only."""
+    from epl.ir.annotations import StrategyKind
+    state = graph_state(graph, create=False)
+    split = [tg.spec.describe() for tg in (state.taskgraphs if state else ())
+             if tg.spec.kind == StrategyKind.SPLIT]
+    if split:
+        raise ParallelizeError(
+            f"tf.gradients was called on a model with split TaskGraph(s) {', '.join(split)}: "
+            "EPL splits the forward graph before autodiff for Optimizer.compute_gradients "
+            "and minimize only. Build the gradients with optimizer.compute_gradients(loss) "
+            "(then clip and apply_gradients as before), or replicate that part instead.")
 
 
 def install() -> None:

@@ -176,3 +176,22 @@ def test_gradients_that_update_nothing_are_no_training_step():
         "or tf.gradients, then apply_gradients or assign ops); the gradients recorded (Mean:0) "
         "update no variable. Build the training step before creating the session or calling "
         "epl.parallelize(); an inference-only graph needs no EPL scopes.")
+
+
+def test_tf_gradients_on_a_split_model_is_refused_with_the_alternative():
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+        with epl.split(2, name="head"):
+            w = tf.compat.v1.get_variable("w", [3, 4])
+            loss = tf.reduce_mean(tf.matmul(x, w))
+        with pytest.raises(epl.ParallelizeError) as err:
+            tf.gradients(loss, [w])
+    env.reset()
+    assert str(err.value) == (
+        "tf.gradients was called on a model with split TaskGraph(s) epl.split(device_count=2, "
+        "name='head'): EPL splits the forward graph before autodiff for "
+        "Optimizer.compute_gradients and minimize only. Build the gradients with "
+        "optimizer.compute_gradients(loss) (then clip and apply_gradients as before), or "
+        "replicate that part instead.")
