@@ -8,21 +8,44 @@ Add scopes to an ordinary tf.compat.v1 training script:
     train_op = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
 
 The first session on the graph (or epl.parallelize()) rewrites it.
-"""
-from epl.cluster import Cluster
-from epl.config import Config
-from epl.env import Env, init
-from epl.errors import (ClusterError, ConfigError, EPLError, ParallelizeError, PassError,
-                        ScopeError)
-from epl.graph_keys import GraphKeys, add_to_collection, get_all_collections, get_collection
-from epl.parallel import parallelize
-from epl.strategies import replicate, set_default_strategy, split
-from epl import layers  # noqa: E402  (epl.layers.dense / embedding / moe ...)
 
-__all__ = ["Cluster", "Config", "init", "replicate", "split", "set_default_strategy", "parallelize",
-           "layers",
-           "GraphKeys", "add_to_collection", "EPLError", "ConfigError", "ScopeError",
-           "ClusterError", "ParallelizeError", "PassError",
-           "Env", "get_collection", "get_all_collections", "VERSION"]
+The names below are loaded when first used (PEP 562), so that importing one of
+EPL's low-level modules (epl.errors, epl.ir.*) does not import the whole API
+and, through it, every layer above that module (tools/import_graph.py).
+"""
+import importlib
+
 __version__ = "0.1.0"
 VERSION = __version__  # EPL's name
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Cluster": "epl.cluster",
+    "Config": "epl.config",
+    "Env": "epl.api", "init": "epl.api", "parallelize": "epl.api",
+    "EPLError": "epl.errors", "ConfigError": "epl.errors", "ScopeError": "epl.errors",
+    "ClusterError": "epl.errors", "ParallelizeError": "epl.errors", "PassError": "epl.errors",
+    "GraphKeys": "epl.graph_keys", "add_to_collection": "epl.graph_keys",
+    "get_all_collections": "epl.graph_keys", "get_collection": "epl.graph_keys",
+    "replicate": "epl.strategies", "set_default_strategy": "epl.strategies",
+    "split": "epl.strategies",
+}
+_SUBMODULES = ("layers",)   # epl.layers.dense / embedding / moe ...
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["VERSION"]
+
+
+def __getattr__(name: str):
+    """Load a public name (or the `layers` module) on first use."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"epl.{name}")
+    else:
+        raise AttributeError(f"module 'epl' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -25,6 +25,7 @@ import os
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from epl.env import enter_cluster, get_config
 from epl.errors import ClusterError
 
 _EPL_LAYOUTS = ("all", "auto", None)   # EPL's automatic device layouts
@@ -112,7 +113,6 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         """`with epl.Cluster(...)`: `epl.Env.get().cluster` is this cluster until the next
         epl.init (it stays after the block, as in EPL)."""
-        from epl.env import enter_cluster
         enter_cluster(self)
         return self
 
@@ -122,7 +122,6 @@ class Cluster:
     @staticmethod
     def current() -> "Cluster":
         """The Cluster of this worker under the active EPL config."""
-        from epl.env import get_config
         return local_cluster(get_config())
 
     @property
@@ -183,7 +182,6 @@ def use_logical_gpus(count: int, memory_limit_mb: int) -> None:
     one GPU stands for several, as virtual CPU devices do on a CPU.
     Raises ClusterError when TensorFlow sees no GPU.
     """
-    from epl.errors import ClusterError
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         raise ClusterError("use_logical_gpus: TensorFlow sees no GPU to split")
@@ -237,9 +235,7 @@ def _epl_cluster_fields(worker_hosts, ps_hosts, job_name, worker_index, layout) 
     if job_name not in ("worker", "ps"):
         raise ClusterError(f"Cluster(job_name={job_name!r}): the job is 'worker' (or 'ps', "
                            "whose hosts EPL counts as workers).")
-    from epl.config import Config
-    from epl.env import Env
-    detected = local_cluster(Env.get().config or Config())
+    detected = local_cluster(get_config())
     hosts: list[str] = []
     if worker_hosts is None:
         if ps_hosts is not None or worker_index != 0 or job_name != "worker":

@@ -1,8 +1,8 @@
-"""`epl.init` and `epl.Env`: the process-wide EPL environment (its config and hooks).
+"""The process-wide EPL state: the active config (and an entered cluster).
 
-`init(config)` freezes the configuration, makes it the active one and
-installs the hooks that let a plain training script trigger EPL: the
-optimizer hooks (gradient time) and the session hooks (parallelize time).
+`activate(config)` freezes the configuration and makes it the active one;
+`epl.init` (epl/api.py) does that and installs the hooks. This module holds
+state only and imports nothing above the IR, so every layer may read it.
 
 Calling it again, as EPL's own tests do between graphs, replaces the active
 config (an equal config changes nothing). Graphs are annotated at
@@ -19,11 +19,7 @@ tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
 that needs graph mode (a strategy scope, `epl.parallelize`) refuses eager
 mode with the fix.
 
-`Env.get()` gives EPL's runtime view: `.config` (the active Config, None
-before `epl.init`) and `.cluster` (this worker's `epl.Cluster`: the one
-entered with ``with epl.Cluster(...)`` since the last `init`, else the one the
-runtime will use, computed when read; None before `epl.init` if none was
-entered).
+`epl.Env` (epl/api.py) is EPL's runtime view of this state.
 """
 from __future__ import annotations
 
@@ -33,20 +29,20 @@ from epl.config import Config
 from epl.errors import ConfigError, ParallelizeError
 from epl.ir.taskgraph import graph_state
 
-_ENV: dict = {"config": None, "cluster": None}
+_ENV: dict = {"config": None, "cluster": None, "defaults": None}
 # graph -> the config its EPL annotations were made under, for graphs that were
 # annotated but not parallelized when epl.init switched to another config
 _BUILT_UNDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def init(config: Config | dict | None = None) -> Config:
-    """Initialize EPL for this process and return the active (frozen) Config.
+def activate(config: Config | dict | None = None) -> Config:
+    """Make `config` the active one and return it (frozen); `epl.init` (epl/api.py)
+    does this and installs the hooks.
 
     config: an `epl.Config` (frozen by this call), a dict of dotted keys, or
     None for the defaults. Environment variables `EPL_<SECTION>_<KEY>` apply
-    where the dict does not set the key. Calling it again with a different
-    config makes that one active for the graphs built afterwards (see the
-    module docstring).
+    where the dict does not set the key. Activating a different config makes
+    that one active for the graphs built afterwards (see the module docstring).
     """
     if config is None or isinstance(config, dict):
         config = Config(config)
@@ -60,12 +56,8 @@ def init(config: Config | dict | None = None) -> Config:
     if current is not None:
         _remember_unparallelized_graphs(current)
     _check_no_step_built()
-    from epl import hooks  # local import: hooks import the passes, which import this module
-    hooks.install()
     _ENV["config"] = config
     _ENV["cluster"] = None
-    from epl.logs import configure as configure_logging
-    configure_logging(config.get("debug.log_level"))
     return config
 
 
@@ -104,9 +96,12 @@ def _remember_unparallelized_graphs(previous: Config) -> None:
 
 
 def get_config() -> Config:
-    """Return the active Config (the defaults if epl.init was not called)."""
+    """Return the active Config (the defaults, frozen, if epl.init was not called)."""
     if _ENV["config"] is None:
-        return init()
+        if _ENV["defaults"] is None:
+            _ENV["defaults"] = Config()
+            _ENV["defaults"].freeze()
+        return _ENV["defaults"]
     return _ENV["config"]
 
 
@@ -148,41 +143,6 @@ def enter_cluster(cluster) -> None:
     _ENV["cluster"] = cluster
 
 
-class Env:
-    """EPL's runtime environment, as EPL's `epl.Env` (`Env.get().config`, `.cluster`)."""
-
-    _instance: "Env | None" = None
-
-    @classmethod
-    def get(cls) -> "Env":
-        """The process's Env (one per process)."""
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
-
-    @property
-    def config(self) -> Config | None:
-        """The active Config (frozen), or None before epl.init."""
-        return _ENV["config"]
-
-    @property
-    def cluster(self):
-        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
-        since the last epl.init, else the one the runtime uses (read when asked: the
-        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
-        size); None before epl.init when none was entered."""
-        if _ENV["cluster"] is not None:
-            return _ENV["cluster"]
-        if _ENV["config"] is None:
-            return None
-        from epl.cluster import local_cluster
-        return local_cluster(_ENV["config"])
-
-    @property
-    def is_ready(self) -> bool:
-        """True once epl.init has run (EPL's name)."""
-        return _ENV["config"] is not None
-
-    def __repr__(self) -> str:
-        """The active config's changes and the cluster."""
-        return f"Env(config={self.config!r}, cluster={self.cluster!r})"
+def entered_cluster():
+    """The cluster entered with ``with epl.Cluster(...)`` since the last init, or None."""
+    return _ENV["cluster"]

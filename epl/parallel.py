@@ -18,17 +18,16 @@ import time
 
 import tensorflow as tf
 
-from epl.cluster import Cluster, local_cluster, physical_gpu_count
-from epl.env import config_for
+from epl.cluster import Cluster, local_cluster
+from epl.env import config_for, get_config
 from epl.errors import ParallelizeError
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
-from epl.optimizer_hooks import internal_autodiff
+from epl.ir.autodiff import internal_autodiff
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
-from epl.planner.plan import Plan, make_plan
-from epl.planner.planner import local_profiles, local_replica_weights
-from epl.runtime.communicators import (HierarchicalCommunicator, LocalCommunicator,
-                                       local_communication_hint)
+from epl.planner.plan import Plan, make_plan, split_layout
+from epl.planner.planner import local_profiles, local_replica_weights, local_shard_weights
+from epl.runtime.communicators import make_communicator
 from epl.strategies import EAGER_HINT
 from graph_passes.amp import AmpPass
 from graph_passes.annotate import AnnotatePass
@@ -40,8 +39,46 @@ from graph_passes.offload import OffloadPass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.replication.inputs import batch_mode, supports_uneven_shares
 from graph_passes.schedule import SchedulePass
+from graph_passes.split import SplitPass, SplitPlan
 from graph_passes.verify import InvariantInstrument, VerifyPass
 from graph_passes.zero import ZeroPass
+
+
+def gradient_time_pipeline() -> list:
+    """The passes that run at gradient time, on the finished forward graph, before
+    autodiff (DESIGN.md, "Data flow", step 2)."""
+    return [SplitPass()]
+
+
+def run_gradient_time_pipeline(graph: tf.Graph, loss: tf.Tensor) -> None:
+    """Run `gradient_time_pipeline` on `graph` (whose loss is `loss`), with the split
+    plans of its split TaskGraphs (devices, shard weights); called by the optimizer
+    hooks (epl.hooks.optimizer) when the graph has split TaskGraphs not split yet."""
+    state = graph_state(graph)
+    config = get_config()
+    cluster = local_cluster(config)
+    _, devices = split_layout(state.taskgraphs, cluster,
+                              bool(config.get("cluster.colocate_split_and_replicate")))
+    plans = {}
+    for taskgraph in state.taskgraphs:
+        devs = devices.get(taskgraph.name)
+        if devs is None:
+            continue
+        if taskgraph.spec.device_count > len(devs):   # the group spans every worker (even shards)
+            plans[taskgraph.name] = SplitPlan(tuple(devs), None, cluster.worker_rank * len(devs),
+                                              taskgraph.spec.device_count)
+        else:
+            weights = local_shard_weights(cluster, config, devs)
+            plans[taskgraph.name] = SplitPlan(tuple(devs),
+                                              None if weights is None else tuple(weights))
+    ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
+                      artifacts={"split_loss": loss, "split_plans": plans})
+    instruments = [TimingInstrument()]
+    if config.get("debug.dump_dir"):
+        instruments.append(DumpInstrument(config.get("debug.dump_dir")))
+    with graph.as_default(), internal_autodiff():
+        PassManager(gradient_time_pipeline(), instruments).run(graph, ctx)
+    state.dumps_written = 1 + len(ctx.passes_run) if config.get("debug.dump_dir") else 0
 
 
 def training_pipeline() -> list:
@@ -88,17 +125,10 @@ class ParallelGraph:
         return self.cluster.session_config(base)
 
 
-def make_communicator(cluster: Cluster, config) -> HierarchicalCommunicator:
-    """Local collectives, plus Horovod when this worker is one of several."""
-    hint = local_communication_hint(cluster.device_type, cluster.num_local_devices,
-                                    physical_gpu_count() if cluster.device_type == "GPU" else 0)
-    local = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")),
-                              communication_hint=hint)
-    cross = None
-    if cluster.num_workers > 1:
-        from epl.runtime.horovod_comm import HorovodCommunicator
-        cross = HorovodCommunicator()
-    return HierarchicalCommunicator(local, cross)
+def parallel_graph(graph: tf.Graph) -> ParallelGraph | None:
+    """The ParallelGraph of `graph`, or None if it was not parallelized."""
+    state = graph_state(graph, create=False)
+    return state.result if state is not None and state.parallelized else None
 
 
 def needs_parallelize(graph: tf.Graph) -> bool:

@@ -27,7 +27,7 @@ variable's own storage is never initialized, so it takes no memory. The
 shards stay reachable: `shards_of(v)` and `sharded_of(v)` (the ShardedVariable
 record: axis, sizes, offsets). An optimizer given the view (minimize's default
 var_list reads the trainable collection) trains its shards
-(epl/optimizer_hooks.py maps views to shards before autodiff).
+(epl/hooks/optimizer.py maps views to shards before autodiff).
 
 A split group that spans several workers holds only this worker's shards:
 reading its view is refused with an error saying so (read its shards).

@@ -24,7 +24,7 @@ from epl import env
 from epl.errors import ClusterError, PassError
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
 from epl.ir.taskgraph import graph_state
-from epl.runtime.session import parallel_graph
+from epl.parallel import parallel_graph
 from graph_passes import auto_stages
 
 SEQ, D_MODEL, D_FF, NUM_CLASSES, BATCH = 4, 8, 16, 4, 8

@@ -319,11 +319,11 @@ def capture_script_graph(path: str, argv: Sequence[str] = ()
     import tensorflow as tf
 
     import epl
-    from epl import env, parallel
+    from epl import api, env, parallel
     from tensorflow.python.training import monitored_session
     saved_config = env._ENV["config"]
     saved_argv = sys.argv
-    original_init = env.init
+    original_init = api.init
 
     def reinit(config=None):
         env.reset()
@@ -335,9 +335,9 @@ def capture_script_graph(path: str, argv: Sequence[str] = ()
         (monitored_session._MonitoredSession, "__init__",
          _stopper("monitored")),
         (tf.compat.v1, "disable_eager_execution", lambda *a, **k: None),
-        (epl, "parallelize", _stop_parallelize),
+        (epl, "parallelize", _stop_parallelize), (api, "parallelize", _stop_parallelize),
         (parallel, "parallelize", _stop_parallelize),
-        (epl, "init", reinit), (env, "init", reinit),
+        (epl, "init", reinit), (api, "init", reinit),
     ]
     saved = [(obj, attr, obj.__dict__.get(attr, getattr(obj, attr)))
              for obj, attr, _ in patches]

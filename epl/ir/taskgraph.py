@@ -46,7 +46,7 @@ class TrainStep:
       the gradients of a copy of the forward graph the same way.
     backward_ops: the ops compute_gradients created, in creation order (the
       template that epl.ir.backward_copy copies for each replica).
-    A step recorded from `tf.gradients` (epl/optimizer_hooks.py) has no train
+    A step recorded from `tf.gradients` (epl/hooks/optimizer.py) has no train
     op until analysis finds the updates its gradients feed
     (epl.ir.graph_view.derive_train_op).
     """

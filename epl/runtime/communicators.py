@@ -33,6 +33,9 @@ import dataclasses
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
+from epl.cluster import physical_gpu_count
+from epl.runtime.horovod_comm import HorovodCommunicator
+
 
 @dataclasses.dataclass
 class KeyAllocator:
@@ -261,3 +264,14 @@ class HierarchicalCommunicator(Communicator):
         from epl.runtime.collective_check import exchange_bytes
         values = exchange_bytes(repr(float(static)).encode(), self.local.timeout_s or 300.0)
         return tf.constant(sum(float(v.decode()) for v in values), dtype=tensor.dtype)
+
+
+def make_communicator(cluster, config) -> HierarchicalCommunicator:
+    """This worker's communicator: collectives among its local devices (NCCL among
+    physical GPUs, ring otherwise), plus Horovod when it is one of several workers."""
+    hint = local_communication_hint(cluster.device_type, cluster.num_local_devices,
+                                    physical_gpu_count() if cluster.device_type == "GPU" else 0)
+    local = LocalCommunicator(timeout_s=float(config.get("communication.collective_timeout_s")),
+                              communication_hint=hint)
+    cross = HorovodCommunicator() if cluster.num_workers > 1 else None
+    return HierarchicalCommunicator(local, cross)

@@ -1,6 +1,6 @@
 """One session run of a multi-worker graph: compared first, bounded, explained when it fails.
 
-`guarded_run` is what the session integration (epl.runtime.session) wraps
+`guarded_run` is what the session integration (epl.hooks.session) wraps
 every run of a multi-worker graph in:
 
 1. Before the first run of a new set of cross-worker collectives, the workers

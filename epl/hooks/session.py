@@ -31,18 +31,12 @@ from tensorflow.python.client import session as session_lib
 
 from epl.ir.graph_view import ancestors
 from epl.ir.taskgraph import graph_state
-from epl.parallel import ParallelGraph, needs_parallelize, parallelize
+from epl.parallel import ParallelGraph, needs_parallelize, parallel_graph, parallelize
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
 
 # Op types that restore variables from a checkpoint (a Saver's restore).
 RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 _ORIGINAL = {}
-
-
-def parallel_graph(graph: tf.Graph) -> ParallelGraph | None:
-    """The ParallelGraph of `graph`, or None if it was not parallelized."""
-    state = graph_state(graph, create=False)
-    return state.result if state is not None and state.parallelized else None
 
 
 def _session_init(self, target="", graph=None, config=None):

@@ -17,35 +17,22 @@ EPL's own autodiff (`internal_autodiff`) is never recorded.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import threading
 
 import tensorflow as tf
 
 from epl.env import get_config, is_initialized
 from epl.errors import ParallelizeError
-from epl.ir.annotations import PHASE_ATTR, Phase
+from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
+from epl.ir.autodiff import inside_internal_autodiff, internal_autodiff
 from epl.ir.taskgraph import TrainStep, graph_state
+from epl.parallel import run_gradient_time_pipeline
+from epl.sharded_variable import expand_views
 from epl.strategies import check_graph_mode
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _ORIGINAL = {}
-_AUTODIFF = threading.local()   # depth of EPL's own (or compute_gradients') autodiff
-
-
-@contextlib.contextmanager
-def internal_autodiff():
-    """Inside: tf.gradients calls are EPL's (or an optimizer's), not user steps."""
-    depth = getattr(_AUTODIFF, "depth", 0)
-    _AUTODIFF.depth = depth + 1
-    try:
-        yield
-    finally:
-        _AUTODIFF.depth = depth
-
-
 def _phase_attr(phase: Phase) -> tf.compat.v1.AttrValue:
     return tf.compat.v1.AttrValue(s=phase.value.encode())
 
@@ -100,56 +87,17 @@ def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
     shards), also for an optimizer created after an earlier split. A graph
     without split variables gets var_list unchanged.
     """
-    from epl.ir.annotations import StrategyKind
     state = graph_state(graph)
     done = {record.taskgraph for record in state.splits}
     if any(tg.spec.kind == StrategyKind.SPLIT and tg.name not in done
            for tg in state.taskgraphs):
-        _run_split_pass(graph, loss, state)
+        run_gradient_time_pipeline(graph, loss)
     if not state.splits:
         return var_list
-    from epl.sharded_variable import expand_views
     if var_list is None:
         var_list = (graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
                     + graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
     return expand_views(tf.nest.flatten(var_list))
-
-
-def _run_split_pass(graph: tf.Graph, loss: tf.Tensor, state) -> None:
-    """The split pass over the split TaskGraphs, with their plans (devices, shard weights)."""
-    from epl.cluster import local_cluster
-    from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
-    from epl.planner.plan import split_layout
-    from epl.planner.planner import local_shard_weights
-    from graph_passes.split import SplitPass, SplitPlan
-    config = get_config()
-    cluster = local_cluster(config)
-    from epl.parallel import make_communicator
-    _, devices = split_layout(state.taskgraphs, cluster,
-                              bool(config.get("cluster.colocate_split_and_replicate")))
-    plans = {}
-    for taskgraph in state.taskgraphs:
-        devs = devices.get(taskgraph.name)
-        if devs is None:
-            continue
-        if taskgraph.spec.device_count > len(devs):   # the group spans every worker (even shards)
-            plans[taskgraph.name] = SplitPlan(tuple(devs), None, cluster.worker_rank * len(devs),
-                                              taskgraph.spec.device_count)
-        else:
-            plans[taskgraph.name] = SplitPlan(
-                tuple(devs), _tuple(local_shard_weights(cluster, config, devs)))
-    ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
-                      artifacts={"split_loss": loss, "split_plans": plans})
-    instruments = [TimingInstrument()]
-    if config.get("debug.dump_dir"):
-        instruments.append(DumpInstrument(config.get("debug.dump_dir")))
-    with graph.as_default(), internal_autodiff():
-        PassManager([SplitPass()], instruments).run(graph, ctx)
-    state.dumps_written = 1 + len(ctx.passes_run) if config.get("debug.dump_dir") else 0
-
-
-def _tuple(weights):
-    return None if weights is None else tuple(weights)
 
 
 def _densify(grad):
@@ -202,7 +150,7 @@ def _user_gradients(original, *args, **kwargs):
     scalar), the (gradient, variable) pairs of the `xs` that are variables, the
     ops it created and how it was called.
     """
-    if not is_initialized() or getattr(_AUTODIFF, "depth", 0) or tf.executing_eagerly():
+    if not is_initialized() or inside_internal_autodiff() or tf.executing_eagerly():
         return original(*args, **kwargs)
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -235,7 +183,6 @@ def _refuse_split(graph: tf.Graph) -> None:
     """tf.gradients of a model with epl.split TaskGraphs: the split pass rewrites the
     forward graph before autodiff, which EPL does for the optimizer's
     compute_gradients (and minimize) only."""
-    from epl.ir.annotations import StrategyKind
     state = graph_state(graph, create=False)
     split = [tg.spec.describe() for tg in (state.taskgraphs if state else ())
              if tg.spec.kind == StrategyKind.SPLIT]

@@ -1,0 +1,90 @@
+"""EPL's API layer: `epl.init`, `epl.parallelize` and `epl.Env`.
+
+Layers, each importing only those below it: this API (and epl/strategies.py,
+epl/layers.py) -> session and optimizer integration (epl/hooks/) -> the driver
+(epl/parallel.py) -> the passes (graph_passes/) -> planner, runtime and IR ->
+config (tools/import_graph.py checks there is no cycle).
+
+`init(config)` freezes the configuration, makes it the active one
+(epl/env.py) and installs the hooks that let a plain training script trigger
+EPL: the optimizer hooks (gradient time) and the session hooks (parallelize
+time). See epl/env.py for calling it again with another config.
+
+`epl.init` does not refuse eager execution (EPL did): TensorFlow 2 executes
+eagerly by default and building the model inside ``with
+tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
+that needs graph mode (a strategy scope, `epl.parallelize`) refuses eager
+mode with the fix.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from epl import env, hooks
+from epl.cluster import local_cluster
+from epl.config import Config
+from epl.logs import configure as configure_logging
+from epl.parallel import ParallelGraph, parallelize as _parallelize
+
+
+def init(config: Config | dict | None = None) -> Config:
+    """Initialize EPL for this process and return the active (frozen) Config.
+
+    config: an `epl.Config` (frozen by this call), a dict of dotted keys, or
+    None for the defaults. Environment variables `EPL_<SECTION>_<KEY>` apply
+    where the dict does not set the key. Calling it again with a different
+    config makes that one active for the graphs built afterwards (epl/env.py).
+    """
+    config = env.activate(config)
+    hooks.install()
+    configure_logging(config.get("debug.log_level"))
+    return config
+
+
+def parallelize(graph: tf.Graph | None = None,
+                replica_weights: list[float] | None = None) -> ParallelGraph:
+    """Rewrite `graph` (default: the default graph) for parallel training, once
+    (epl/parallel.py); initializes EPL with the defaults if epl.init was not
+    called, so that sessions on the graph run the parallel step."""
+    if not env.is_initialized():
+        init()
+    return _parallelize(graph, replica_weights)
+
+
+class Env:
+    """EPL's runtime environment, as EPL's `epl.Env` (`Env.get().config`, `.cluster`)."""
+
+    _instance: "Env | None" = None
+
+    @classmethod
+    def get(cls) -> "Env":
+        """The process's Env (one per process)."""
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    @property
+    def config(self) -> Config | None:
+        """The active Config (frozen), or None before epl.init."""
+        return env.get_config() if env.is_initialized() else None
+
+    @property
+    def cluster(self):
+        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
+        since the last epl.init, else the one the runtime uses (read when asked: the
+        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
+        size); None before epl.init when none was entered."""
+        if env.entered_cluster() is not None:
+            return env.entered_cluster()
+        if not env.is_initialized():
+            return None
+        return local_cluster(env.get_config())
+
+    @property
+    def is_ready(self) -> bool:
+        """True once epl.init has run (EPL's name)."""
+        return env.get_config() if env.is_initialized() else None is not None
+
+    def __repr__(self) -> str:
+        """The active config's changes and the cluster."""
+        return f"Env(config={self.config!r}, cluster={self.cluster!r})"

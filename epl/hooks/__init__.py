@@ -1,0 +1,23 @@
+"""Session and optimizer integration: the hooks that make a plain training script
+parallel (the layer between EPL's API and its driver, epl/parallel.py).
+
+- `epl.hooks.optimizer`: gradient time (the optimizer's compute_gradients and
+  apply_gradients, the user's tf.gradients): records the training step and runs
+  the gradient-time pipeline (split) before autodiff.
+- `epl.hooks.session`: parallelize time (the first session on an annotated
+  graph, MonitoredTrainingSession's scaffold) and run time (fetches of merged
+  tensors, feeds, variable sync, bounded multi-worker runs).
+- Savers: checkpoints of split variables under their single-device names
+  (epl.sharded_variable).
+
+`install()` (called by `epl.init`) wraps TensorFlow's methods, once.
+"""
+from epl import sharded_variable
+from epl.hooks import optimizer, session
+
+
+def install() -> None:
+    """Install every hook (idempotent)."""
+    optimizer.install()
+    session.install()
+    sharded_variable.install_saver_support()
