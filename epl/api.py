@@ -83,7 +83,7 @@ class Env:
     @property
     def is_ready(self) -> bool:
         """True once epl.init has run (EPL's name)."""
-        return env.get_config() if env.is_initialized() else None is not None
+        return env.is_initialized()
 
     def __repr__(self) -> str:
         """The active config's changes and the cluster."""

@@ -27,6 +27,7 @@ from tensorflow.python.eager import context
 
 from epl.env import enter_cluster, get_config
 from epl.errors import ClusterError
+from epl.runtime.horovod_comm import horovod
 
 _EPL_LAYOUTS = ("all", "auto", None)   # EPL's automatic device layouts
 _DEFAULT = object()   # EPL's default layout ("all"), told apart from an explicit one
@@ -194,7 +195,6 @@ def _horovod_rank_size() -> tuple[int, int]:
     """Rank and size when launched by horovodrun (or epl-launch), else (0, 1)."""
     if not _under_horovod():
         return 0, 1
-    from epl.runtime.horovod_comm import horovod
     hvd = horovod()
     return hvd.rank(), hvd.size()
 

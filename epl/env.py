@@ -28,6 +28,7 @@ import weakref
 from epl.config import Config
 from epl.errors import ConfigError, ParallelizeError
 from epl.ir.taskgraph import graph_state
+from epl.ir.taskgraph import _STATES
 
 _ENV: dict = {"config": None, "cluster": None, "defaults": None}
 # graph -> the config its EPL annotations were made under, for graphs that were
@@ -87,7 +88,6 @@ def _check_no_step_built() -> None:
 
 def _remember_unparallelized_graphs(previous: Config) -> None:
     """Record `previous` for every live graph EPL annotated and has not parallelized."""
-    from epl.ir.taskgraph import _STATES
     for graph, state in list(_STATES.items()):
         if state.parallelized or graph in _BUILT_UNDER:
             continue

@@ -23,6 +23,8 @@ import contextlib
 import math
 
 import tensorflow as tf
+from epl.env import is_initialized
+from epl.strategies import split
 
 
 def dense(x: tf.Tensor, units: int, activation=None, use_bias: bool = True,
@@ -110,8 +112,6 @@ def moe(x: tf.Tensor, num_experts: int, hidden: int, k: int = 2, capacity_factor
     the loss with a small weight. split_devices: create the experts under
     epl.split(split_devices) (the number of experts must be divisible by it).
     """
-    from epl.env import is_initialized
-    from epl.strategies import split
     x = tf.convert_to_tensor(x)
     seq, dim = int(x.shape[1]), int(x.shape[2])
     capacity = max(1, int(math.ceil(k * seq / num_experts * capacity_factor)))

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from epl.errors import ConfigError
+
 LOGGER_NAME = "epl"
 LOG_FORMAT = "%(asctime)s EPL %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
@@ -71,7 +73,6 @@ def configure(level: str) -> None:
         return
     name = level.upper()
     if name not in LEVELS:
-        from epl.errors import ConfigError
         raise ConfigError(f"debug.log_level must be one of {', '.join(LEVELS)} or '', "
                           f"got {level!r}")
     logger = logging.getLogger(LOGGER_NAME)

@@ -42,6 +42,9 @@ from graph_passes.schedule import SchedulePass
 from graph_passes.split import SplitPass, SplitPlan
 from graph_passes.verify import InvariantInstrument, VerifyPass
 from graph_passes.zero import ZeroPass
+from epl.runtime.collective_check import check_collectives_agree
+from epl.runtime.trace import make_tracer
+from epl.summary import format_summary, summarize
 
 
 def gradient_time_pipeline() -> list:
@@ -222,7 +225,6 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
         if finalized:
             graph.finalize()
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
-        from epl.runtime.collective_check import check_collectives_agree
         check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
     replication = ctx.artifacts["replicate"]
     result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
@@ -234,7 +236,6 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)
     result.drawn = tuple(t for op in replication.draws for t in op.outputs)
-    from epl.runtime.trace import make_tracer
     result.tracer = make_tracer(config, cluster, graph)
     state.parallelized = True
     state.result = result
@@ -247,7 +248,6 @@ def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: flo
     logger = logging.getLogger(__name__)
     if not logger.isEnabledFor(logging.INFO):
         return
-    from epl.summary import format_summary, summarize
     summary = summarize(result.graph, result.plan, result.cluster, result.view, config,
                         ctx.timings, rewrite_s, list(result.fetch_map.values()))
     logger.info("%s", "\n".join(format_summary(summary)))

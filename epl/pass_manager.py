@@ -17,6 +17,10 @@ from typing import Any
 import tensorflow as tf
 
 from epl.errors import EPLError, PassError
+from epl.dump_format import rank_dump_dir, write_pass_dump
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.attrs import set_string_attrs
+from epl.ir.taskgraph import graph_state
 
 
 @dataclasses.dataclass
@@ -104,7 +108,6 @@ class DumpInstrument(Instrument):
         self._write(self.first_index + len(ctx.passes_run), graph_pass.name, graph, summary, ctx)
 
     def _write(self, index, name, graph, summary, ctx=None):
-        from epl.dump_format import rank_dump_dir, write_pass_dump
         cluster = getattr(ctx, "cluster", None)
         directory = self.dump_dir if cluster is None else \
             rank_dump_dir(self.dump_dir, cluster.worker_rank, cluster.num_workers)
@@ -123,12 +126,9 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
     and updated when the op is adopted), and the tags are written together
     through epl.ir.attrs.set_string_attrs.
     """
-    from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
-    from epl.ir.attrs import set_string_attrs
     if ctx.view is not None:
         fallback_tg = ctx.view.taskgraphs[0].name.encode()
     else:  # gradient time (the split pass): no view yet
-        from epl.ir.taskgraph import graph_state
         fallback_tg = graph_state(graph).taskgraphs[0].name.encode()
     known: dict = {}  # op -> [TaskGraph or None, phase or None, device] as read or adopted
 
@@ -141,7 +141,6 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
                                  attrs[PHASE_ATTR].s if PHASE_ATTR in attrs else None, node.device]
         return found
 
-    from epl.ir.taskgraph import graph_state
     complete = graph_state(graph).created_complete  # tagged and placed when created
     tags = []  # (op, attribute, value) to write
     for op in graph.get_operations()[first_new:]:

@@ -95,6 +95,9 @@ from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_ba
 from epl.ir.clone import replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.sharded_variable import SHARD_ATTR, shard_existing, shard_sizes
+from epl.ir.clone import clone_op
+from epl.ir.taskgraph import graph_state
+from epl.runtime.horovod_comm import horovod
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
 _LOG = get_logger(__name__)
@@ -326,7 +329,6 @@ class _Rewriter:
             local = tf.stop_gradient(tf.reduce_max(tf.stack(parts), axis=0))
             if self.cross is None:
                 return local
-            from epl.runtime.horovod_comm import horovod
             return tf.stop_gradient(horovod().allreduce(local, op=horovod().Max))
 
     def gather_batch(self, tensor: tf.Tensor) -> tf.Tensor:
@@ -909,7 +911,6 @@ LINEAR_BINARY = ("Add", "AddV2", "Sub")
 
 def _clone_on_slots(rw: _Rewriter, op, inputs_of) -> list:
     """Copies of `op` on each slot, with slot j's inputs `inputs_of(j)`."""
-    from epl.ir.clone import clone_op
     parts = []
     for j in range(rw.k):
         copy = clone_op(op, inputs_of(j), f"{op.name}/EPL_SPLIT_{j}", rw.plan.devices[j],
@@ -1179,7 +1180,6 @@ class SplitPass(GraphPass):
     requires = ()
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        from epl.ir.taskgraph import graph_state
         state = graph_state(graph)
         loss = ctx.artifacts["split_loss"]
         plans = ctx.artifacts["split_plans"]

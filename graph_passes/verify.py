@@ -18,6 +18,7 @@ from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase
 from epl.ir.graph_view import ancestors
 from epl.pass_manager import GraphPass, Instrument, PassContext, PassResult
+from epl.ir.taskgraph import graph_state
 
 MAX_LISTED = 10
 
@@ -38,7 +39,6 @@ def _fail(what: str, ops, fix: str) -> None:
 def check_tagged_and_placed(graph: tf.Graph) -> None:
     """Every op has a TaskGraph and a device (both read from one NodeDef read per op, except
     for ops NodeBatch created with both, which keep them)."""
-    from epl.ir.taskgraph import graph_state
     complete = graph_state(graph).created_complete  # tagged and placed when created
     bad = []
     for op in graph.get_operations():

@@ -33,6 +33,11 @@ from epl.ir.graph_view import ancestors
 from epl.ir.taskgraph import graph_state
 from epl.parallel import ParallelGraph, needs_parallelize, parallel_graph, parallelize
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
+from epl.ir.recompute import gradient_difference, gradient_pairs
+from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
+from epl.runtime.guarded_run import guarded_run
+from epl.runtime.horovod_comm import collective_label
+from epl.runtime.worker_status import STATUS
 
 # Op types that restore variables from a checkpoint (a Saver's restore).
 RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
@@ -86,8 +91,6 @@ class _Guard:
 def _guards(result: ParallelGraph, fetches, targets, plan: "_RunPlan") -> dict:
     """{"gather"/"fetch"/"sync": _Guard} of a plan's runs: their cross-worker
     collectives [(op name, what it carries)], in creation order."""
-    from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
-    from epl.runtime.horovod_comm import collective_label
 
     def collectives(ops):
         found = [op for op in ancestors([op for op in ops if op is not None])
@@ -264,7 +267,6 @@ def _check_gradients(session, result: ParallelGraph, feed_dict) -> dict:
     returns them as a feed of the draws' outputs, so the first training step
     uses exactly those batches and the iterator is not advanced twice.
     """
-    from epl.ir.recompute import gradient_difference, gradient_pairs
     reference, checkpointed = result.gradient_check
     drawn = list(result.drawn)
     values, drawn_values = _ORIGINAL["run"](
@@ -284,7 +286,6 @@ def _bounded(result: ParallelGraph, run, session, plan: _RunPlan, part: str):
     (epl.runtime.guarded_run)."""
     if result.cluster.num_workers == 1:
         return run()
-    from epl.runtime.guarded_run import guarded_run
     guard = plan.guards[part]
     return guarded_run(run, timeout_s=result.timeout_s, collectives=guard.collectives,
                        training=guard.training, step_reader=_step_reader(session),
@@ -311,7 +312,6 @@ def _session_close(self):
     result = parallel_graph(graph) if graph is not None and not getattr(self, "_closed", True) \
         else None
     if result is not None and result.cluster.num_workers > 1:
-        from epl.runtime.worker_status import STATUS
         STATUS.read_step()
     return _ORIGINAL["close"](self)
 

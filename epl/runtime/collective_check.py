@@ -35,6 +35,7 @@ import tensorflow as tf
 from epl.errors import ClusterError
 from epl.runtime import worker_status
 from epl.runtime.horovod_comm import collective_label
+from epl.runtime.horovod_comm import horovod
 
 # Horovod's graph-mode op types, i.e. the collectives between workers.
 HOROVOD_COLLECTIVE_TYPES = (
@@ -209,7 +210,6 @@ def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collec
               ) -> list[bytes]:
     """All-gather `payload` (bytes of any length) from every worker; index = rank.
     waiting_for: what the others did not reach, for the timeout's message."""
-    from epl.runtime.horovod_comm import horovod
 
     hvd = horovod()
     graph = tf.Graph()
@@ -259,7 +259,6 @@ def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0) -> list[d
     `ClusterError` on every worker otherwise (the same message everywhere), or
     when the exchange does not finish within `timeout_s` seconds.
     """
-    from epl.runtime.horovod_comm import horovod
 
     fingerprint = collective_fingerprint(graph)
     hvd = horovod()
@@ -333,7 +332,6 @@ def check_run_agrees(fetches: list[str], collectives: list[tuple[str, str]],
     instead of hanging in it. collectives: [(op name, what it carries)].
     Every worker must call it at the same point (it is itself a collective).
     graph: where the other workers' collectives are looked up to name them."""
-    from epl.runtime.horovod_comm import horovod
 
     hvd = horovod()
     if hvd.size() == 1:

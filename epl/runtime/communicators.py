@@ -35,6 +35,7 @@ from tensorflow.python.ops import collective_ops
 
 from epl.cluster import physical_gpu_count
 from epl.runtime.horovod_comm import HorovodCommunicator
+from epl.runtime.collective_check import exchange_bytes
 
 
 @dataclasses.dataclass
@@ -261,7 +262,6 @@ class HierarchicalCommunicator(Communicator):
         static = tf.get_static_value(tensor)
         if static is None:
             return self.cross.all_reduce(tensor, "sum")
-        from epl.runtime.collective_check import exchange_bytes
         values = exchange_bytes(repr(float(static)).encode(), self.local.timeout_s or 300.0)
         return tf.constant(sum(float(v.decode()) for v in values), dtype=tensor.dtype)
 

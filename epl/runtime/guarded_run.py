@@ -30,6 +30,7 @@ import tensorflow as tf
 from epl.errors import ClusterError
 from epl.runtime import worker_status
 from epl.runtime.collective_check import call_with_timeout, check_run_agrees
+from epl.runtime.horovod_comm import horovod
 
 _SHUTDOWN_GRACE_S = 5.0
 
@@ -47,7 +48,6 @@ def guarded_run(run: Callable[[], Any], *, timeout_s: float,
     collective sets already compared (updated); graph: the graph run (to name
     the other workers' collectives).
     """
-    from epl.runtime.horovod_comm import horovod
 
     hvd = horovod()
     status = worker_status.STATUS

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ClusterError
+from epl.runtime import worker_status
 
 # Node attribute on every Horovod op EPL creates: what it carries, in words.
 COLLECTIVE_ATTR = "_epl_collective"
@@ -183,7 +184,6 @@ def _horovod_op(tensor: tf.Tensor, depth: int = 3) -> tf.Operation | None:
 def _progress_marker(name: str, tensor: tf.Tensor) -> tf.Operation:
     """A host op that runs when `tensor` is ready and records that this worker
     submits collective `name` (epl.runtime.worker_status.mark_submitted)."""
-    from epl.runtime import worker_status
 
     def mark():
         worker_status.mark_submitted(name)
