@@ -62,13 +62,14 @@ from google.protobuf.message import DecodeError
 from tensorflow.core.framework import graph_pb2, tensor_pb2
 
 from epl.errors import EPLError
+from epl.ir.annotations import DUMP_ELIDED_ATTR
 
 MANIFEST_NAME = "manifest.json"
 INPUT_PASS_NAME = "input"
 FORMAT_VERSION = 2
 GRAPH_SUFFIX = ".pb"
 MAX_CONSTANT_BYTES = 1024
-ELIDED_ATTR = "_epl_dump_elided"
+ELIDED_ATTR = DUMP_ELIDED_ATTR
 RANK_DIR_PREFIX = "rank_"
 FRESH_DUMP_HINT = "write a fresh dump (run the script again with debug.dump_dir set)"
 

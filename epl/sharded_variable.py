@@ -40,7 +40,6 @@ import tensorflow as tf
 
 from epl.errors import ParallelizeError
 
-SHARD_ATTR = "_epl_shard"  # int: the slot (shard index) of an op built by the split pass
 
 
 @dataclasses.dataclass

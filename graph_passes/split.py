@@ -90,18 +90,17 @@ import tensorflow as tf
 
 from epl.errors import ParallelizeError
 from epl.logs import get_logger
-from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind
+from epl.ir.annotations import SHARD_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, StrategyKind
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs
-from epl.ir.clone import replace_input
+from epl.ir.clone import clone_op, replace_input
 from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.sharded_variable import SHARD_ATTR, shard_existing, shard_sizes
-from epl.ir.clone import clone_op
+from epl.sharded_variable import shard_existing, shard_sizes
 from epl.ir.taskgraph import graph_state
 from epl.runtime.horovod_comm import horovod
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
 _LOG = get_logger(__name__)
-REPLACED_ATTR = "_epl_split_replaced"
+REPLACED_ATTR = SPLIT_REPLACED_ATTR
 
 
 class SplitFallbackWarning(UserWarning):

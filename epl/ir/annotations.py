@@ -15,6 +15,15 @@ TASKGRAPH_ATTR = "_epl_taskgraph"   # string: the TaskGraph the op belongs to
 PHASE_ATTR = "_epl_phase"           # string: a Phase value
 REPLICA_ATTR = "_epl_replica"       # int: replica index (absent = replica 0)
 MICRO_BATCH_ATTR = "_epl_micro_batch"  # int: micro-batch index (absent = 0)
+# Every other node attribute EPL sets, declared here so that one module lists them
+# all; the modules that write them import their names from here.
+SHARD_ATTR = "_epl_shard"           # int: the slot (shard index) of an op the split pass built
+SPLIT_REPLACED_ATTR = "_epl_split_replaced"  # bool: an op the split pass replaced (never runs)
+COLLECTIVE_ATTR = "_epl_collective"  # string on Horovod ops: what they carry, in words
+RECOMPUTE_ATTR = "_epl_recompute"    # bool: a recomputed (gradient checkpointing) forward copy
+RECOMPUTE_SHAPE_ATTR = "_epl_recompute_shape"  # bool: Shape op recompute added on a forward tensor
+SCHEDULE_EDGE_ATTR = "_epl_schedule_edge"  # string on pipeline barrier NoOps: "F1->B0"
+DUMP_ELIDED_ATTR = "_epl_dump_elided"  # in dumps only: a large constant whose value was left out
 
 
 class Phase(str, enum.Enum):

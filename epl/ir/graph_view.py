@@ -42,11 +42,10 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
-from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind, StrategySpec
+from epl.ir.annotations import (PHASE_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind,
+                                StrategySpec)
 from epl.ir.clone import COLOCATION_ATTR
 
-# graph_passes/split.py marks the ops it replaced with this attr (they never run).
-SPLIT_REPLACED_ATTR = "_epl_split_replaced"
 from epl.ir.taskgraph import GraphState, TaskGraph
 
 COLOCATION_PREFIX = b"loc:@"  # a `_class` entry naming the op to colocate with

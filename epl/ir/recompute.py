@@ -59,11 +59,10 @@ from tensorflow.python.framework import ops as tf_ops
 
 from epl.errors import ParallelizeError
 from epl.ir import graph_view
+from epl.ir.annotations import RECOMPUTE_ATTR, RECOMPUTE_SHAPE_ATTR
 from epl.ir.clone import clone_ops
 
-RECOMPUTE_ATTR = "_epl_recompute"
-# on the Shape ops this module adds on original forward tensors (they belong to the forward pass)
-FORWARD_SHAPE_ATTR = "_epl_recompute_shape"
+FORWARD_SHAPE_ATTR = RECOMPUTE_SHAPE_ATTR
 CHECKPOINTS_COLLECTION = "checkpoints"
 TF1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter",
                               "Exit", "RefExit", "NextIteration", "RefNextIteration",

@@ -62,9 +62,8 @@ from typing import Any
 import tensorflow as tf
 
 from epl.errors import ConfigError
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 
-TASKGRAPH_ATTR = "_epl_taskgraph"
-PHASE_ATTR = "_epl_phase"
 FORWARD, BACKWARD, APPLY, OTHER = "forward", "backward", "apply", "other"
 #: The group key when no group function is given.
 ALL = "all"

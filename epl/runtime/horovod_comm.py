@@ -27,10 +27,9 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ClusterError
+from epl.ir.annotations import COLLECTIVE_ATTR
 from epl.runtime import worker_status
 
-# Node attribute on every Horovod op EPL creates: what it carries, in words.
-COLLECTIVE_ATTR = "_epl_collective"
 _MAX_LABEL_CHARS = 80
 
 
