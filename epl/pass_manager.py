@@ -21,6 +21,7 @@ from epl.dump_format import rank_dump_dir, write_pass_dump
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.attrs import set_string_attrs
 from epl.ir.taskgraph import graph_state
+from epl.ir import graph_mutation
 
 
 @dataclasses.dataclass
@@ -159,7 +160,7 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
             tags += [(op, TASKGRAPH_ATTR, mine[0]), (op, PHASE_ATTR, mine[1])]
         if not mine[2]:
             mine[2] = theirs[2] or ctx.cluster.host_device
-            op._set_device(mine[2])
+            graph_mutation.set_device(op, mine[2])
     set_string_attrs(graph, tags)
 
 

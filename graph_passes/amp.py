@@ -44,6 +44,7 @@ from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.graph_view import input_args
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
+from epl.ir import graph_mutation
 
 # the one list of op types AMP lowers, shared with the planner's memory model
 _LOG = get_logger(__name__)
@@ -179,22 +180,22 @@ class AmpPass(GraphPass):
             out_types = [dtype if out.dtype == tf.float32 else out.dtype for out in op.outputs]
             low = graph._create_op_internal(op.type, inputs, out_types, name=f"{SCOPE}/{op.name}",
                                             attrs=new_attrs, op_def=op.op_def, compute_device=False)
-            low._set_device(op.device)
+            graph_mutation.set_device(low, op.device)
             if op.control_inputs:
-                low._add_control_inputs(op.control_inputs)
+                graph_mutation.add_control_inputs(low, op.control_inputs)
             outputs = [tf.cast(out, tf.float32) if out.dtype == dtype and old.dtype == tf.float32
                        else out for out, old in zip(low.outputs, op.outputs)]
         new_ops = graph.get_operations()[first:]
         for new in new_ops:
             for name in (TASKGRAPH_ATTR, PHASE_ATTR):
                 if name in op.node_def.attr:
-                    new._set_attr(name, op.node_def.attr[name])
+                    graph_mutation.set_attr(new, name, op.node_def.attr[name])
         for old, new in zip(op.outputs, outputs):
             for consumer in list(old.consumers()):
                 if consumer not in new_ops and view.phase_of.get(consumer) == Phase.FORWARD:
                     for index, tensor in enumerate(consumer.inputs):
                         if tensor is old:
-                            consumer._update_input(index, new)
+                            graph_mutation.update_input(consumer, index, new)
         return new_ops
 
     @staticmethod
@@ -254,4 +255,4 @@ def _initialized_with_model(graph: tf.Graph, variables) -> None:
     model_vars = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
                   if v not in variables]
     for var in model_vars:
-        var.initializer._add_control_inputs([v.initializer for v in variables])
+        graph_mutation.add_control_inputs(var.initializer, [v.initializer for v in variables])

@@ -15,6 +15,7 @@ import tensorflow as tf
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.ir import graph_mutation
 
 
 def _is_update(op: tf.Operation) -> bool:
@@ -72,6 +73,6 @@ class ApplyGroupsPass(GraphPass):
         for replica_groups in update_groups(graph, groups, ctx.view.train_ops).values():
             for earlier, later in zip(replica_groups, replica_groups[1:]):
                 for op in later:
-                    op._add_control_inputs(earlier)
+                    graph_mutation.add_control_inputs(op, earlier)
                     edges += len(earlier)
         return PassResult(notes=[f"{edges} control edges for {groups} apply groups"])

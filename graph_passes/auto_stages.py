@@ -49,6 +49,7 @@ from epl.ir.graph_view import ancestors, descendants, find_batch_inputs, trainin
 from epl.ir.taskgraph import GraphState
 from epl.planner import cost_model
 from epl.profiles import get_profile
+from epl.ir import graph_mutation
 
 STAGE_NAME = "stage_{}"
 MAX_CROSSING = 4
@@ -234,7 +235,7 @@ def apply_stages(graph: tf.Graph, state: GraphState, partition: StagePartition) 
     for name in names:
         state.add_taskgraph(StrategySpec(StrategyKind.REPLICATE, 1, name))
     for op, stage in partition.stage_of.items():
-        op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=names[stage].encode()))
+        graph_mutation.set_attr(op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=names[stage].encode()))
 
 
 def stage_speeds(num_stages: int, profiles: list | None) -> list[float] | None:

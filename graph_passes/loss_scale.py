@@ -34,6 +34,7 @@ from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from graph_passes.amp import DYNAMIC_GROWTH_STEPS
+from epl.ir import graph_mutation
 
 SCOPE = "EPL_LOSS_SCALE"
 READ_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "Identity", "ResourceGather",
@@ -102,7 +103,7 @@ class LossScalePass(GraphPass):
         skipped = self._guard_updates(graph, ctx, finite, amp)
         adapt = self._adapt(amp, finite[0], agreed[1:], ctx.cluster.host_device)
         for train_op in ctx.view.train_ops:
-            train_op._add_control_inputs([adapt])
+            graph_mutation.add_control_inputs(train_op, [adapt])
         return PassResult(added=self._added(graph, before), notes=[
             f"dynamic loss scale: overflow counted over {len(devices)} replicas x "
             f"{ctx.communicator.num_workers} workers; {skipped} updates skipped on overflow"])
@@ -120,7 +121,7 @@ class LossScalePass(GraphPass):
         for consumer in consumers:
             for index, inp in enumerate(consumer.inputs):
                 if inp is tensor:
-                    consumer._update_input(index, unscaled)
+                    graph_mutation.update_input(consumer, index, unscaled)
         return unscaled
 
     @staticmethod

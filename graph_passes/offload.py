@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.ir import graph_mutation
 
 
 def offloaded_ops(graph: tf.Graph, variables: set) -> list[tf.Operation]:
@@ -60,8 +61,8 @@ class OffloadPass(GraphPass):
             variables |= more
         moved = [op for op in sorted(variables, key=lambda op: op._id) if op.device != host]
         for op in variables:
-            op._set_device(host)
+            graph_mutation.set_device(op, host)
         for op in following:
-            op._set_device(host)
+            graph_mutation.set_device(op, host)
         return PassResult(notes=[f"{len(variables)} variables on {host} ({len(moved)} moved), "
                                  f"{len(following)} ops on their handles follow them"])

@@ -63,6 +63,7 @@ from graph_passes.replication.accumulate import accumulate
 from graph_passes.replication.merge import merge_fetches, merge_split_losses
 from graph_passes.replication.mirrors import mirror_variables, sync_ops, write_local_sync
 from graph_passes.replication.result import Copies, Replication, Setup
+from epl.ir import graph_mutation
 
 
 def num_micro_batches(config) -> int:
@@ -285,21 +286,21 @@ def _place(graph, view, plan) -> None:
         if taskgraph is not None and taskgraph.name in split and op not in mirrored:
             continue
         if op in replica or (op in view.taskgraph_of and op.type in ("VarHandleOp", "VariableV2")):
-            op._set_device(plan.device(view.taskgraph_of[op], 0))
+            graph_mutation.set_device(op, plan.device(view.taskgraph_of[op], 0))
     for op in view.replica_ops:  # a variable read by a later stage is read where it lives
         var = copies.variable_read(op)
         if var is not None:
-            op._set_device(var.device)
+            graph_mutation.set_device(op, var.device)
     for op in graph.get_operations():
         if op not in replica and not op.device:
             root = colocation_root(op)
             taskgraph = view.taskgraph_of.get(op)
             if root is not None and root.device:
-                op._set_device(root.device)
+                graph_mutation.set_device(op, root.device)
             elif taskgraph is not None and taskgraph.name in plan.devices and \
                     view.phase_of.get(op) in (Phase.FORWARD, Phase.BACKWARD, Phase.APPLY):
                 # a step op the step no longer runs (one the amp pass replaced): with its
                 # stage, where the template ops colocated with it are
-                op._set_device(plan.device(taskgraph, 0))
+                graph_mutation.set_device(op, plan.device(taskgraph, 0))
             else:
-                op._set_device("/device:CPU:0")
+                graph_mutation.set_device(op, "/device:CPU:0")

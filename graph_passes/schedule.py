@@ -47,6 +47,7 @@ from epl.ir.graph_view import ancestors
 from epl.ir.schedule import BACKWARD, FORWARD, Schedule, Step, make_schedule
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from graph_passes.verify import check_acyclic
+from epl.ir import graph_mutation
 
 
 
@@ -136,11 +137,12 @@ def _barrier(graph, before: Step, after: Step, replica: int, stage_name: str, de
     with tf.device(device), tf.control_dependencies(sinks):
         barrier = tf.no_op(name=f"EPL_SCHEDULE/replica_{replica}/stage_{after.stage}/"
                                 f"{before}_to_{after}")
-    barrier._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=stage_name.encode()))
-    barrier._set_attr(PHASE_ATTR, tf.compat.v1.AttrValue(s=Phase.OTHER.value.encode()))
-    barrier._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
-    barrier._set_attr(MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=after.micro_batch))
-    barrier._set_attr(SCHEDULE_EDGE_ATTR, tf.compat.v1.AttrValue(s=label.encode()))
+    graph_mutation.set_attr(barrier, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=stage_name.encode()))
+    graph_mutation.set_attr(barrier, PHASE_ATTR,
+                            tf.compat.v1.AttrValue(s=Phase.OTHER.value.encode()))
+    graph_mutation.set_attr(barrier, REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
+    graph_mutation.set_attr(barrier, MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=after.micro_batch))
+    graph_mutation.set_attr(barrier, SCHEDULE_EDGE_ATTR, tf.compat.v1.AttrValue(s=label.encode()))
     return barrier
 
 
@@ -194,7 +196,7 @@ class SchedulePass(GraphPass):
                     barrier = _barrier(graph, before, after, k, view.taskgraphs[s].name, device,
                                        _sinks(groups[before]))
                     for op in _sources(groups[after]):
-                        op._add_control_inputs([barrier])
+                        graph_mutation.add_control_inputs(op, [barrier])
                     barriers[(k, before, after)] = barrier
         check_acyclic(graph)
         ctx.artifacts[self.name] = ScheduleLowering(schedule, step_ops, barriers, boundaries)

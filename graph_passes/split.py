@@ -97,6 +97,7 @@ from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.sharded_variable import shard_existing, shard_sizes
 from epl.ir.taskgraph import graph_state
 from epl.runtime.horovod_comm import horovod
+from epl.ir import graph_mutation
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
 _LOG = get_logger(__name__)
@@ -461,7 +462,7 @@ class _Rewriter:
                 for index, tensor in enumerate(list(op.inputs)):
                     if tensor.op not in region and tensor.op in batch_derived \
                             and tensor.shape.rank:
-                        op._update_input(index, self.gather_batch(tensor))
+                        graph_mutation.update_input(op, index, self.gather_batch(tensor))
             pending_var = _variable_read(op, variables)
             if pending_var is not None:
                 self.layouts[op.outputs[0]] = Pending(pending_var, op.outputs[0])
@@ -515,7 +516,7 @@ class _Rewriter:
         for index, (tensor, layout) in enumerate(zip(list(op.inputs), layouts)):
             if layout is not None and not (isinstance(layout, Pending)
                                            and layout.variable.op not in self.sharded):
-                op._update_input(index, self.value(layout, tensor))
+                graph_mutation.update_input(op, index, self.value(layout, tensor))
         self.record.ops.extend(self.graph.get_operations()[first:])
         self.record.ops.append(op)
         if gathered:
@@ -550,10 +551,10 @@ class _Rewriter:
                 replace_input(consumer, tensor, self.value(layout, tensor))
                 self.record.ops.extend(self.graph.get_operations()[first:])
         for op in self.record.replaced:
-            op._set_attr(REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
+            graph_mutation.set_attr(op, REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
         for op in list(region) + self.record.ops:
             if not op.device and op not in self.record.replaced:
-                op._set_device(self.plan.devices[0])
+                graph_mutation.set_device(op, self.plan.devices[0])
         self._report_unsharded(region)
 
     def _redirect_other_reads(self) -> None:
@@ -1213,7 +1214,7 @@ class SplitPass(GraphPass):
                 rewriter.run(region, batch_derived)
                 rewriter.finish(set(region))
             for variable_op, sharded in rewriter.sharded.items():
-                variable_op._set_attr(REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
+                graph_mutation.set_attr(variable_op, REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
             records.append(record)
             notes.append(f"{taskgraph.name}: {len(record.variables)} variable(s) sharded over "
                          f"{len(record.plan.devices)} devices "

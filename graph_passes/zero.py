@@ -67,6 +67,7 @@ from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.ir import graph_mutation
 
 SCOPE = "EPL_ZERO"
 
@@ -292,8 +293,8 @@ class ZeroPass(GraphPass):
                     update.type, inputs, [o.dtype for o in update.outputs],
                     input_types=list(update._input_types), name=f"{update.name}_shard",
                     attrs=attrs, op_def=update.op_def, compute_device=False)
-                sharded._set_device(devices[k])
-                sharded._add_control_inputs([load] + list(update.control_inputs))
+                graph_mutation.set_device(sharded, devices[k])
+                graph_mutation.add_control_inputs(sharded, [load] + list(update.control_inputs))
                 with tf.control_dependencies([sharded]):
                     new_shards[k] = _read(shards[var], dtype)
             built.append(shards)
@@ -361,9 +362,10 @@ class _TagNewOps:
         phase = tf.compat.v1.AttrValue(s=Phase.APPLY.value.encode())
         for op in self.graph.get_operations()[self.first:]:
             if TASKGRAPH_ATTR in self.source.node_def.attr:
-                op._set_attr(TASKGRAPH_ATTR, self.source.node_def.attr[TASKGRAPH_ATTR])
-            op._set_attr(PHASE_ATTR, phase)
-            op._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=self.replica))
+                graph_mutation.set_attr(op, TASKGRAPH_ATTR,
+                                        self.source.node_def.attr[TASKGRAPH_ATTR])
+            graph_mutation.set_attr(op, PHASE_ATTR, phase)
+            graph_mutation.set_attr(op, REPLICA_ATTR, tf.compat.v1.AttrValue(i=self.replica))
         return False
 
 
@@ -379,7 +381,7 @@ def _to_host(slot: tf.Operation, host: str) -> None:
     for op in users + inputs:
         if groups & set(op.colocation_groups()):
             op._clear_attr("_class")
-        op._set_device(host)
+        graph_mutation.set_device(op, host)
 
 
 def _detach(update: tf.Operation, var: tf.Operation, host: str) -> None:
@@ -397,9 +399,9 @@ def _detach(update: tf.Operation, var: tf.Operation, host: str) -> None:
                                           name=f"{var.name.replace(':', '_')}_unused")
     for name in (TASKGRAPH_ATTR, PHASE_ATTR):
         if name in var.node_def.attr:
-            stand_in.op._set_attr(name, var.node_def.attr[name])
-    update._update_input(0, stand_in)
-    update._set_device(host)
+            graph_mutation.set_attr(stand_in.op, name, var.node_def.attr[name])
+    graph_mutation.update_input(update, 0, stand_in)
+    graph_mutation.set_device(update, host)
 
 
 def _shard_variable(state: tf.Operation, replica: int, size: int, dtype: tf.DType,
@@ -408,7 +410,7 @@ def _shard_variable(state: tf.Operation, replica: int, size: int, dtype: tf.DTyp
     name = f"{state.name}/shard_{replica}"
     handle = tf.raw_ops.VarHandleOp(dtype=dtype, shape=[size], shared_name=f"{SCOPE}/{name}",
                                     name=name.replace(":", "_"))
-    handle.op._set_device(device)
+    graph_mutation.set_device(handle.op, device)
     return handle.op
 
 

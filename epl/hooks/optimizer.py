@@ -30,6 +30,7 @@ from epl.ir.taskgraph import TrainStep, graph_state
 from epl.parallel import run_gradient_time_pipeline
 from epl.sharded_variable import expand_views
 from epl.strategies import check_graph_mode
+from epl.ir import graph_mutation
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _ORIGINAL = {}
@@ -42,7 +43,7 @@ def _tag_new_ops(graph: tf.Graph, first: int, phase: Phase) -> None:
     value = _phase_attr(phase)
     for op in graph.get_operations()[first:]:
         if PHASE_ATTR not in op.node_def.attr:
-            op._set_attr(PHASE_ATTR, value)
+            graph_mutation.set_attr(op, PHASE_ATTR, value)
 
 
 def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_OP,

@@ -47,6 +47,7 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.ir.taskgraph import graph_state
+from epl.ir import graph_mutation
 
 COLOCATION_ATTR = "_class"
 _INPUT_PLACEHOLDER = "_epl_input_{}"
@@ -142,7 +143,7 @@ def _post_process(graph: tf.Graph, ops: list) -> None:
     importer already returned exactly ours.)"""
     if graph._current_control_dependencies():
         for op in ops:
-            op._add_control_inputs(graph._control_dependencies_for_inputs(op.inputs))
+            graph_mutation.add_control_inputs(op, graph._control_dependencies_for_inputs(op.inputs))
     if graph._get_control_flow_context() is not None:
         for op in ops:
             op._control_flow_post_processing()
@@ -172,7 +173,7 @@ def clone_op(op: tf.Operation, inputs: list[tf.Tensor], name: str, device: str,
     new = op.graph._create_op_internal(
         op.type, inputs, [out.dtype for out in op.outputs], input_types=list(op._input_types),
         name=name, attrs=attrs, op_def=op.op_def, compute_device=False)
-    new._set_device(device)
+    graph_mutation.set_device(new, device)
     return new
 
 
@@ -351,12 +352,12 @@ def replace_input(op: tf.Operation, old: tf.Tensor, new: tf.Tensor) -> None:
     """Make `op` read `new` wherever it read `old`."""
     for index, tensor in enumerate(op.inputs):
         if tensor is old:
-            op._update_input(index, new)
+            graph_mutation.update_input(op, index, new)
 
 
 def replace_control_inputs(op: tf.Operation, mapping: dict) -> None:
     """Replace control inputs of `op` found in `mapping` (old op -> new op)."""
     controls = list(op.control_inputs)
     if any(c in mapping for c in controls):
-        op._remove_all_control_inputs()
-        op._add_control_inputs([mapping.get(c, c) for c in controls])
+        graph_mutation.remove_all_control_inputs(op)
+        graph_mutation.add_control_inputs(op, [mapping.get(c, c) for c in controls])

@@ -61,6 +61,7 @@ from epl.errors import ParallelizeError
 from epl.ir import graph_view
 from epl.ir.annotations import RECOMPUTE_ATTR, RECOMPUTE_SHAPE_ATTR
 from epl.ir.clone import clone_ops
+from epl.ir import graph_mutation
 
 FORWARD_SHAPE_ATTR = RECOMPUTE_SHAPE_ATTR
 CHECKPOINTS_COLLECTION = "checkpoints"
@@ -358,7 +359,7 @@ def _forward_shape(forward: tf.Tensor, out_type, device: str, cache: dict) -> tf
             "Shape", [forward], [out_type], name=f"{forward.op.name}/shape_for_backward",
             attrs={**attrs, FORWARD_SHAPE_ATTR: tf.compat.v1.AttrValue(b=True)},
             compute_device=False)
-        new._set_device(device)
+        graph_mutation.set_device(new, device)
         cache[key] = new.outputs[0]
     return cache[key]
 
@@ -367,7 +368,7 @@ def _reroute(old: tf.Tensor, new: tf.Tensor) -> None:
     for consumer in list(old.consumers()):
         for i, t in enumerate(consumer.inputs):
             if t is old:
-                consumer._update_input(i, new)
+                graph_mutation.update_input(consumer, i, new)
 
 
 def _shapes_from_forward(new_ops: list, copies: dict, cache: dict) -> None:
@@ -401,7 +402,7 @@ def _shapes_from_forward(new_ops: list, copies: dict, cache: dict) -> None:
                     new = tf.zeros(_forward_shape(forward, tf.int32, old.device, cache),
                                    dtype=out.dtype, name=f"{op.name}_from_forward")
             if op.type not in ("Shape", "ShapeN"):
-                new.op._set_device(op.device)
+                graph_mutation.set_device(new.op, op.device)
             _reroute(out, new)
 
 
@@ -522,7 +523,7 @@ def checkpointed_gradients(ys, xs, checkpoints: Iterable[tf.Tensor], grad_ys=Non
             gate = [p.op for _, g in live for p in _parts(g)]
             for new in copied:
                 if not any(t.op in copied for t in new.inputs):
-                    new._add_control_inputs(gate)
+                    graph_mutation.add_control_inputs(new, gate)
             seg_ys = [copies[t.op].outputs[t.value_index] for t, _ in live]
             first = len(graph.get_operations())
             grads = tf.compat.v1.gradients(seg_ys, boundary + xs_read,

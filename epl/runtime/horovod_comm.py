@@ -29,6 +29,7 @@ import tensorflow as tf
 from epl.errors import ClusterError
 from epl.ir.annotations import COLLECTIVE_ATTR
 from epl.runtime import worker_status
+from epl.ir import graph_mutation
 
 _MAX_LABEL_CHARS = 80
 
@@ -121,7 +122,7 @@ class HorovodCommunicator:
         op = _horovod_op(first)
         if op is not None:
             words = "%s of %s" % (_KIND_WORDS.get(kind, kind), label) if label else kind
-            op._set_attr(COLLECTIVE_ATTR, tf.compat.v1.AttrValue(s=words.encode()))
+            graph_mutation.set_attr(op, COLLECTIVE_ATTR, tf.compat.v1.AttrValue(s=words.encode()))
         with tf.control_dependencies([marker]):
             marked = tf.identity(first)
         if isinstance(result, tuple):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
+from epl.ir import graph_mutation
 
 
 def accumulate(per_micro: list[list], replica: int, scales: list | None = None
@@ -56,9 +57,9 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None
             for new in graph.get_operations()[start:]:
                 for name in (TASKGRAPH_ATTR, PHASE_ATTR):
                     if name in source.node_def.attr:
-                        new._set_attr(name, source.node_def.attr[name])
-                new._set_attr(REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
-                new._set_attr(MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=m))
+                        graph_mutation.set_attr(new, name, source.node_def.attr[name])
+                graph_mutation.set_attr(new, REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
+                graph_mutation.set_attr(new, MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=m))
                 ops_of[m].append(new)
             return result
 

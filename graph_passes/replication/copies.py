@@ -34,6 +34,7 @@ from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, give_own_functions,
                           replace_control_inputs, replace_input)
 from epl.ir.graph_view import VARIABLE_OP_TYPES, calls_functions, colocation_root
 from graph_passes.replication.names import REPLICA_PREFIX, replica_attr, unit_prefix
+from epl.ir import graph_mutation
 
 
 def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inputs=None,
@@ -153,7 +154,7 @@ def backward_only(new_ops: list, forward_map: dict) -> list:
         return list(new_ops)
     phase = tf.compat.v1.AttrValue(s=Phase.FORWARD.value.encode())
     for op in feeding:
-        op._set_attr(PHASE_ATTR, phase)
+        graph_mutation.set_attr(op, PHASE_ATTR, phase)
     return [op for op in new_ops if op not in feeding]
 
 
@@ -266,7 +267,7 @@ def chain_train_ops(view, replica_maps) -> None:
     for train_op in view.train_ops:
         copies = [m[train_op] for m in replica_maps[1:] if train_op in m]
         if copies:
-            train_op._add_control_inputs(copies)
+            graph_mutation.add_control_inputs(train_op, copies)
 
 
 def variable_read(op: tf.Operation) -> tf.Operation | None:
@@ -301,17 +302,18 @@ def tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | Non
     replica_attr = tf.compat.v1.AttrValue(i=replica)
     micro_attr = None if micro_batch is None else tf.compat.v1.AttrValue(i=micro_batch)
     for op in ops:
-        op._set_attr(PHASE_ATTR, phase)
-        op._set_attr(REPLICA_ATTR, replica_attr)
+        graph_mutation.set_attr(op, PHASE_ATTR, phase)
+        graph_mutation.set_attr(op, REPLICA_ATTR, replica_attr)
         if micro_attr is not None:
-            op._set_attr(MICRO_BATCH_ATTR, micro_attr)
+            graph_mutation.set_attr(op, MICRO_BATCH_ATTR, micro_attr)
         source = colocation_root(op) or next(
             (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
              if _string_attr(producer, TASKGRAPH_ATTR) is not None), None)
         taskgraph = _string_attr(source, TASKGRAPH_ATTR) if source is not None else None
         if taskgraph is not None:
-            op._set_attr(TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph))
-        op._set_device(source.device if source is not None and source.device else fallback_device)
+            graph_mutation.set_attr(op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph))
+        graph_mutation.set_device(
+            op, source.device if source is not None and source.device else fallback_device)
 
 
 def _string_attr(op: tf.Operation, name: str) -> bytes | None:

@@ -40,6 +40,7 @@ from epl.ir.split_boundary import SplitBoundary
 from epl.ir.taskgraph import graph_state
 from graph_passes.replication import copies, inputs as batch_inputs
 from graph_passes.replication.result import Copies
+from epl.ir import graph_mutation
 
 
 def check_split_supported(view, config) -> None:
@@ -177,17 +178,17 @@ def tag_global_backward(ops, fallback_device: str) -> None:
     """
     phase = tf.compat.v1.AttrValue(s=Phase.BACKWARD.value.encode())
     for op in ops:
-        op._set_attr(PHASE_ATTR, phase)
+        graph_mutation.set_attr(op, PHASE_ATTR, phase)
         source = colocation_root(op) or next(
             (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
              if TASKGRAPH_ATTR in producer.node_def.attr), None)
         if source is None:
-            op._set_device(fallback_device)
+            graph_mutation.set_device(op, fallback_device)
             continue
         for name in (TASKGRAPH_ATTR, REPLICA_ATTR):
             if name in source.node_def.attr:
-                op._set_attr(name, source.node_def.attr[name])
-        op._set_device(source.device or fallback_device)
+                graph_mutation.set_attr(op, name, source.node_def.attr[name])
+        graph_mutation.set_device(op, source.device or fallback_device)
 
 
 def spanning_groups(graph: tf.Graph) -> set:

@@ -1,0 +1,40 @@
+"""TensorFlow's private graph mutations, in one place.
+
+The passes rewrite a finished `tf.Graph` in place: they retag, re-place and
+rewire ops that TensorFlow's public API treats as immutable once created. The
+only way to do that is through `tf.Operation`'s private methods, which every
+pass reaches through this module (and `epl.ir.attrs` for tagging many ops at
+once), so a TensorFlow upgrade that changes them is fixed here alone.
+Building new ops from existing ones (the private op-creation and control-flow
+calls of copying) stays in `epl.ir.clone`, the one module that copies ops.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import tensorflow as tf
+
+
+def set_attr(op: tf.Operation, name: str, value: tf.compat.v1.AttrValue) -> None:
+    """Set node attribute `name` of `op` to `value` (an AttrValue)."""
+    op._set_attr(name, value)
+
+
+def set_device(op: tf.Operation, device: str) -> None:
+    """Place `op` on `device` (a device string; "" clears it)."""
+    op._set_device(device)
+
+
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Make input `index` of `op` read `tensor` instead."""
+    op._update_input(index, tensor)
+
+
+def add_control_inputs(op: tf.Operation, ops: Iterable[tf.Operation]) -> None:
+    """Make `op` run after each of `ops` (control edges)."""
+    op._add_control_inputs(list(ops))
+
+
+def remove_all_control_inputs(op: tf.Operation) -> None:
+    """Drop every control edge into `op`."""
+    op._remove_all_control_inputs()
