@@ -164,6 +164,7 @@ def model_from_graph(graph: Any, view: Any = None,
                    for stage, key in enumerate(order))
     split_units = _split_dimension(graph, split_names)
     exact = all(c.exact for c in costs.values[1].values())
+    unknown = _unknown_op_types(costs.values[1].values())
     notes = [] if exact else ["some shapes or op types were not known to "
                               "the cost model; figures are estimates"]
     if not _tagged_phases(graph) and view is None:
@@ -172,7 +173,18 @@ def model_from_graph(graph: Any, view: Any = None,
     dtype = normalize_dtype(amp_dtype) if amp_dtype else "float32"
     return ModelSpec(name=name, layers=layers, compute_dtype=dtype,
                      batch_size=batch, exact=exact, notes=tuple(notes),
-                     optimizer=infer_optimizer(graph), split_units=split_units)
+                     optimizer=infer_optimizer(graph), split_units=split_units,
+                     unknown_op_types=unknown)
+
+
+def _unknown_op_types(groups: Any) -> tuple[tuple[str, int], ...]:
+    """(op type, count) of the op types without a cost formula over the
+    groups' GroupCosts, most frequent first (then by name)."""
+    counts: dict[str, int] = {}
+    for group in groups:
+        for name in group.unmodelled_op_types:
+            counts[name] = counts.get(name, 0) + group.op_types.get(name, 0)
+    return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def _graph_split_layer(key: Hashable, costs: _Measure,

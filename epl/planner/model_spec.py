@@ -78,6 +78,8 @@ class ModelSpec:
         notes: remarks explain() prints.
         optimizer: the optimizer the model was built with, if known (a
             graph's apply ops); plan_cluster uses it when given none.
+        unknown_op_types: (op type, op count) of the op types the cost
+            model has no formula for, most frequent first (a graph's).
     """
 
     name: str
@@ -89,6 +91,7 @@ class ModelSpec:
     exact: bool = True
     notes: tuple[str, ...] = ()
     optimizer: str | None = None
+    unknown_op_types: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

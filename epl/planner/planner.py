@@ -97,6 +97,7 @@ plan and text.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,9 @@ from epl.errors import ClusterError, ConfigError
 from epl.planner import balance
 from epl.planner import roofline as cm
 from epl.planner.balance import GiB, gb, index_ranges
+from epl.planner.devices import (ClusterDevice, DeviceClass,  # noqa: F401 (re-exported)
+                                 DeviceLayout, Runs, cluster_devices,
+                                 merge_runs, runs_count, runs_text)
 from epl.planner.model_spec import LayerSpec, ModelSpec
 from epl.profiles import (PCIE3_X16, DeviceProfile, HostNetwork, HostSpec,
                           normalize_dtype, parse_cluster)
@@ -196,36 +200,6 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
 # --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class ClusterDevice:
-    """One device of the cluster: global index, host, index in the host,
-    profile, and its host's network (None: one NIC at the profile's
-    inter_node_bandwidth, as HostSpec's default)."""
-
-    index: int
-    host: int
-    local: int
-    profile: DeviceProfile
-    network: HostNetwork | None = None
-
-    def __post_init__(self) -> None:
-        if self.network is None:
-            object.__setattr__(self, "network", HostNetwork(
-                1, self.profile.inter_node_bandwidth))
-
-
-def cluster_devices(hosts: Sequence[HostSpec]) -> list[ClusterDevice]:
-    """Every device of `hosts`, numbered host by host."""
-    devices = []
-    for h, host in enumerate(hosts):
-        for local in range(host.devices):
-            devices.append(ClusterDevice(len(devices), h, local, host.profile,
-                                         host.network))
-    if not devices:
-        raise ClusterError("the cluster has no devices")
-    return devices
-
-
-@dataclasses.dataclass(frozen=True)
 class PlanOptions:
     """How the planner models the devices and what it may try.
 
@@ -275,6 +249,9 @@ class DeviceLoad:
     """What one device does and holds under one alternative.
 
     Bytes are on the device unless named host; times are seconds per step.
+    One DeviceLoad may stand for `count` identical devices that do the
+    same (`runs`: their indices; `device`: the first of them): the planner
+    computes a group of identical devices once.
     """
 
     device: ClusterDevice
@@ -292,6 +269,13 @@ class DeviceLoad:
     shards: int | None = None
     stage: int | None = None
     layers: tuple[int, int] | None = None
+    count: int = 1  # devices this row stands for (identical ones)
+    runs: Runs = ()  # their indices, when count > 1 or given
+
+    @property
+    def device_runs(self) -> Runs:
+        """Indices of the devices this row stands for, as (first, end) runs."""
+        return self.runs or ((self.device.index, self.device.index + 1),)
 
     @property
     def total(self) -> float:
@@ -328,45 +312,79 @@ class Alternative:
 
     Attributes:
         name: e.g. "data-parallel, balanced by capability".
-        loads: per device (the intended assignment, also when rejected).
+        rows: the intended assignment (also when rejected): one DeviceLoad
+            per device, or per group of identical devices doing the same
+            (`DeviceLoad.count`); `loads` has one per device.
         feasible: every device fits.
         reason: why it was rejected ("" when feasible).
         checkpointing / zero / pipeline_stages: what it uses.
         num_micro_batch: micro-batches per step (pipelines).
+        layout: the cluster's DeviceLayout (to expand grouped rows).
     """
 
     name: str
-    loads: tuple[DeviceLoad, ...]
+    rows: tuple[DeviceLoad, ...]
     feasible: bool
     reason: str = ""
     checkpointing: bool = False
     zero: bool = False
     pipeline_stages: int = 1
     num_micro_batch: int = 1
+    layout: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def loads(self) -> tuple[DeviceLoad, ...]:
+        """One DeviceLoad per device, in device index order (grouped rows
+        expanded: for a huge cluster, use `rows`)."""
+        if all(row.count == 1 and not row.runs for row in self.rows):
+            return self.rows
+        out = []
+        for row in self.rows:
+            for first, end in row.device_runs:
+                out += [dataclasses.replace(row, device=self.layout[i],
+                                            count=1, runs=())
+                        for i in range(first, end)]
+        return tuple(sorted(out, key=lambda load: load.device.index))
 
     @property
     def step_time(self) -> float:
         """Predicted seconds per step (the slowest device)."""
-        return max(load.step_s for load in self.loads) if self.loads \
+        return max(load.step_s for load in self.rows) if self.rows \
             else math.inf
 
     @property
     def compute_time(self) -> float:
         """The slowest device's compute seconds."""
-        return max(load.compute_s for load in self.loads)
+        return max(load.compute_s for load in self.rows)
 
     @property
     def worst_shortfall(self) -> float:
         """Largest bytes over capacity of any device (device or host)."""
-        return max((max(l.shortfall, l.host_shortfall) for l in self.loads),
+        return max((max(l.shortfall, l.host_shortfall) for l in self.rows),
                    default=math.inf)
+
+    @property
+    def batch_runs(self) -> list[tuple[int, int]]:
+        """Per data-parallel replica batch sizes as (size, replicas) runs in
+        device order (what `batch_sizes` lists one by one)."""
+        parts = sorted((first, end, row.batch) for row in self.rows
+                       if row.stage in (None, 0)
+                       for first, end in row.device_runs)
+        runs: list[list[int]] = []
+        for first, end, batch in parts:
+            if runs and runs[-1][0] == batch:
+                runs[-1][1] += end - first
+            else:
+                runs.append([batch, end - first])
+        return [(size, count) for size, count in runs]
 
     @property
     def batch_sizes(self) -> list[int]:
         """Per data-parallel replica batch sizes (one per device for data
         parallelism; one per pipeline, from its first stage, for pipelines).
         """
-        return [l.batch for l in self.loads if l.stage in (None, 0)]
+        return [size for size, count in self.batch_runs
+                for _ in range(count)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -671,7 +689,92 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
 
 def _data_parallel(ctx: _Context, name: str, balanced: bool,
                    checkpointing: bool, zero: bool) -> Alternative:
-    """Evaluate one data-parallel alternative.
+    """Evaluate one data-parallel alternative: per group of identical
+    devices where that gives the per-device answer (`_grouped_data_parallel`),
+    else device by device (`_per_device_data_parallel`)."""
+    grouped = _grouped_data_parallel(ctx, name, balanced, checkpointing, zero)
+    if grouped is not None:
+        return grouped
+    return _per_device_data_parallel(ctx, name, balanced, checkpointing, zero)
+
+
+def _ring_link(ctx: _Context) -> float:
+    """`_slowest_link` of the whole cluster, from its device classes."""
+    layout = ctx.devices
+    if len(layout.hosts) == 1:
+        return _slowest_link([c.representative
+                              for c in layout.classes])[0]
+    return _cluster_link(layout)[0]
+
+
+def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
+                           checkpointing: bool, zero: bool
+                           ) -> Alternative | None:
+    """A data-parallel alternative computed once per DeviceClass, or None
+    where only the per-device computation gives the answer.
+
+    Without split layers every device of a class holds the same state and
+    runs at the same speed, so its batch share is the same exact quota; the
+    rounding gives some devices of a class one more example
+    (`balance.grouped_proportional_shares`, the same rounding as
+    device by device).  So a class is one or two rows.  When an assignment
+    would not fit some device (the balancer would move examples one by one,
+    or report a shortfall) the per-device computation runs instead, as it
+    does for models with split layers (they are planned on at most as many
+    devices as experts).
+    """
+    if ctx.model.split_units or not isinstance(ctx.devices, DeviceLayout):
+        return None
+    layout, n = ctx.devices, len(ctx.devices)
+    classes = layout.classes
+    totals = _totals(ctx.model.layers, checkpointing)
+    reps = [c.representative for c in classes]
+    state = _device_state(ctx, totals, 0, n, zero)
+    fixed = state.parameters + state.gradients + state.optimizer + \
+        state.activations
+    members = [c.runs for c in classes]
+    if balanced:
+        caps = [1.0 / _per_example_time(ctx, d, totals) for d in reps]
+        busy = [ctx.update_time(d, state.update_bytes) for d in reps]
+        limits = balance._unit_limits([fixed] * len(reps),
+                                      [totals.act] * len(reps),
+                                      [ctx.usable(d) for d in reps])
+        parts = balance.grouped_proportional_shares(
+            ctx.global_batch, caps, members, 0, busy)
+        if any(size > limit for group, limit in zip(parts, limits)
+               for size, _ in group):
+            return None
+    else:
+        parts = balance.grouped_proportional_shares(
+            ctx.global_batch, [1.0] * len(reps), members)
+    comm = cm.comm_time(totals.params, _ring_link(ctx), n) + \
+        state.offload_traffic / ctx.options.host_link_bandwidth
+    rows = []
+    for device, group in zip(reps, parts):
+        for batch, runs in group:
+            rows.append(DeviceLoad(
+                device=layout[runs[0][0]], batch=batch,
+                parameters=state.parameters, gradients=state.gradients,
+                optimizer=state.optimizer,
+                activations=state.activations + batch * totals.act,
+                usable=ctx.usable(device),
+                compute_s=ctx.time(device, batch * totals.flops,
+                                   batch * totals.bytes)
+                + ctx.update_time(device, state.update_bytes),
+                comm_s=comm, host_bytes=state.host,
+                host_usable=ctx.options.host_memory_per_device
+                if ctx.options.offload else math.inf,
+                count=runs_count(runs), runs=runs))
+    rows.sort(key=lambda row: row.device.index)
+    reason = _memory_reason(rows)
+    return Alternative(name, tuple(rows), not reason, reason, checkpointing,
+                       zero, layout=layout)
+
+
+def _per_device_data_parallel(ctx: _Context, name: str, balanced: bool,
+                              checkpointing: bool, zero: bool
+                              ) -> Alternative:
+    """Evaluate one data-parallel alternative, device by device.
 
     Even: the even split of the batch and of the split units.  Balanced:
     for each candidate expert placement (`_split_placements`), the batch
@@ -839,19 +942,20 @@ def _memory_reason(loads: Sequence[DeviceLoad]) -> str:
     """"" when every device fits, else the constraint that rules it out."""
     device_over = [l for l in loads if l.shortfall > 1e-9 * l.usable]
     host_over = [l for l in loads if l.host_shortfall > 0]
+    count = lambda rows: sum(l.count for l in rows)  # noqa: E731
     if not device_over and not host_over:
         return ""
     if device_over:
         worst = max(device_over, key=lambda l: (l.shortfall / l.usable,
                                                 -l.device.index))
         text = _needs_text(worst)
-        others = len(device_over) - 1
+        others = count(device_over) - 1
     else:
         worst = max(host_over, key=lambda l: (l.host_shortfall,
                                               -l.device.index))
         text = (f"device {worst.device.index} needs {gb(worst.host_bytes)} "
                 f"of host memory with {gb(worst.host_usable)} per device")
-        others = len(host_over) - 1
+        others = count(host_over) - 1
     if others:
         text += f" (and {others} more device{'s' if others > 1 else ''})"
     return text
@@ -1086,7 +1190,7 @@ def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
             or global_batch < 1:
         raise ConfigError(f"the global batch must be a positive int, got "
                           f"{global_batch!r}")
-    return _Context(model=model, devices=cluster_devices(hosts),
+    return _Context(model=model, devices=DeviceLayout(hosts),
                     optimizer=optimizer,
                     slots=cm.optimizer_slots(optimizer),
                     global_batch=global_batch, options=options,
@@ -1212,7 +1316,8 @@ def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
 
 def _more_devices(ctx: _Context) -> str:
     """"k times the devices would fit" when some small multiple does."""
-    hosts = _hosts_of(ctx.devices)
+    hosts = list(ctx.devices.hosts) if isinstance(ctx.devices, DeviceLayout) \
+        else _hosts_of(ctx.devices)
     for times in (2, 4, 8, 16, 32, 64):
         if len(ctx.devices) * times > 65536:
             break
@@ -1220,7 +1325,7 @@ def _more_devices(ctx: _Context) -> str:
         units = ctx.model.split_units
         if units and units < len(ctx.devices) * times:
             break
-        if _fits_with(ctx, devices=cluster_devices(trial)):
+        if _fits_with(ctx, devices=DeviceLayout(trial)):
             return (f"more devices: {times}x this cluster "
                     f"({len(ctx.devices) * times} devices) fits, with ZeRO "
                     f"and split layers sharded further and the same global "
@@ -1310,10 +1415,26 @@ def _flops_text(flops: float) -> str:
     return f"{flops:.3g} FLOP"
 
 
-def _num(value: float) -> str:
-    """GB figure for the table (binary GB, one decimal; "<0.1" for tiny)."""
-    g = value / GiB
-    return "0" if value == 0 else ("<0.1" if g < 0.05 else f"{g:.1f}")
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the binary unit that suits the value: "0", "512 B",
+    "3.2 KiB", "419.3 MiB", "30.4 GiB", "1.5 TiB" (one decimal, the
+    figure below 1024 of its unit)."""
+    if nbytes <= 0:
+        return "0"
+    value, unit = float(nbytes), 0
+    while value >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{value:.0f} B"
+    if round(value, 1) >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{value:.1f} {_BINARY_UNITS[unit]}"
+
+
+_num = size_text
 
 
 def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
@@ -1324,13 +1445,14 @@ def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
     header = ["devices", "hosts", "profile", "batch"]
     header += ["shards"] if split else []
     header += ["stage", "layers"] if pipeline else []
-    header += ["params", "grads", "optim", "activ", "total/usable GB"]
-    header += ["host GB"] if offload else []
+    header += ["params", "grads", "optim", "activ", "total/usable"]
+    header += ["host/usable"] if offload else []
     header += ["compute ms", "comm ms"]
-    wait = any(load.wait_s for load in alt.loads)
+    wait = any(load.wait_s for load in alt.rows)
     header += ["wait ms"] if wait else []
-    rows: dict[tuple, list[ClusterDevice]] = {}
-    for load in alt.loads:
+    header += ["count"]
+    rows: dict[tuple, list[tuple[int, int]]] = {}
+    for load in alt.rows:
         row = [load.device.profile.name, str(load.batch)]
         row += [str(load.shards)] if split else []
         if pipeline:
@@ -1338,17 +1460,19 @@ def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
             row += [str(load.stage), f"{a}-{b - 1}"]
         row += [_num(load.parameters), _num(load.gradients),
                 _num(load.optimizer), _num(load.activations),
-                f"{load.total / GiB:.1f}/{load.usable / GiB:.1f}"]
-        row += [f"{_num(load.host_bytes)}/{load.host_usable / GiB:.0f}"] \
+                f"{_num(load.total)}/{_num(load.usable)}"]
+        row += [f"{_num(load.host_bytes)}/{_num(load.host_usable)}"] \
             if offload else []
         row += [_ms(load.compute_s), _ms(load.comm_s)]
         row += [_ms(load.wait_s)] if wait else []
-        rows.setdefault(tuple(row), []).append(load.device)
+        rows.setdefault(tuple(row), []).extend(load.device_runs)
+    layout = alt.layout if alt.layout is not None else \
+        DeviceLayout(plan.hosts)
     body = []
-    for row, devices in rows.items():
-        body.append([index_ranges([d.index for d in devices]),
-                     index_ranges(sorted({d.host for d in devices})),
-                     *row])
+    for row, runs in rows.items():
+        runs = merge_runs(runs)
+        body.append([runs_text(runs), runs_text(layout.host_runs(runs)),
+                     *row, str(runs_count(runs))])
     return _columns([header] + body)
 
 
@@ -1361,7 +1485,7 @@ def _columns(rows: list[list[str]]) -> list[str]:
 
 def _cluster_line(plan: ClusterPlan) -> str:
     """"Cluster: 2 hosts, 8 devices (...); slowest link ..."."""
-    devices = cluster_devices(plan.hosts)
+    layout = DeviceLayout(plan.hosts)
     groups: list[list] = []
     for h, host in enumerate(plan.hosts):
         if groups and groups[-1][1] == host.profile.name and \
@@ -1371,10 +1495,23 @@ def _cluster_line(plan: ClusterPlan) -> str:
             groups.append([[h], host.profile.name, host.devices])
     parts = [f"host{'s' if len(hs) > 1 else ''} {index_ranges(hs)}: "
              f"{count} x {name}" for hs, name, count in groups]
-    bandwidth, kind = _slowest_link(devices)
-    return (f"Cluster: {len(plan.hosts)} host(s), {len(devices)} devices "
+    bandwidth, kind = _slowest_link([c.representative for c in layout.classes]
+                                    ) if len(plan.hosts) == 1 else \
+        _cluster_link(layout)
+    return (f"Cluster: {len(plan.hosts)} host(s), {len(layout)} devices "
             f"({'; '.join(parts)}); slowest link {bandwidth / 1e9:.1f} GB/s "
             f"({kind})")
+
+
+def _cluster_link(layout: DeviceLayout) -> tuple[float, str]:
+    """`_slowest_link` of every device of a cluster of several hosts, from
+    its device classes."""
+    network = min(c.network.bandwidth for c in layout.classes)
+    intra = [c.profile.intra_node_bandwidth for c in layout.classes
+             if c.per_host > 1]
+    if intra and min(intra) < network:
+        return min(intra), "intra-node"
+    return network, "inter-node"
 
 
 def _network_line(plan: ClusterPlan) -> str:
@@ -1399,8 +1536,7 @@ def _model_line(plan: ClusterPlan) -> str:
         f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
     split = f", {m.split_units} experts per split layer" if m.split_units \
         else ""
-    size = gb(m.parameter_bytes) if m.parameter_bytes < 1024 * GiB else \
-        f"{m.parameter_bytes / GiB / 1024:.1f} TB"
+    size = size_text(m.parameter_bytes)
     return (f"Model: {m.name}: {len(m.layers)} layer(s), {count} parameters "
             f"({size}){split}; "
             f"{_flops_text(m.flops_per_example)} per example (forward + "
@@ -1418,6 +1554,11 @@ def _alternative_line(plan: ClusterPlan, alt: Alternative) -> str:
     elif alt.feasible:
         ratio = alt.step_time / plan.chosen.step_time
         verdict = f"fits, not chosen: {ratio:.2f}x the chosen step time"
+        if alt.step_time < plan.chosen.step_time:
+            verdict += (f" (within the {CHOICE_TOLERANCE:.0%} simplicity "
+                        f"margin: a plan listed earlier is chosen unless "
+                        f"a later one is more than {CHOICE_TOLERANCE:.0%} "
+                        f"faster)")
     else:
         verdict = f"rejected: {alt.reason}"
     time = f"{_ms(alt.step_time)} ms" if alt.feasible else "-"
@@ -1429,7 +1570,7 @@ def _explain(plan: ClusterPlan) -> str:
     chosen = plan.chosen
     lines = [_model_line(plan), _cluster_line(plan), _network_line(plan),
              ""]
-    slowest = max(chosen.loads, key=lambda load: load.step_s)
+    slowest = max(chosen.rows, key=lambda load: load.step_s)
     wait = f", waiting {_ms(slowest.wait_s)} ms" if slowest.wait_s else ""
     lines.append(f"Chosen plan: {chosen.name}: predicted step "
                  f"{_ms(chosen.step_time)} ms (slowest device: compute "
@@ -1448,7 +1589,7 @@ def _explain(plan: ClusterPlan) -> str:
     if chosen.pipeline_stages > 1:
         notes.append("pipeline: the activations sent between stages are "
                      "not counted in communication")
-    if any(load.wait_s for load in chosen.loads):
+    if any(load.wait_s for load in chosen.rows):
         notes.append("wait: every split layer's all-to-all is a barrier, so "
                      "a device idles until the slowest device's replicated "
                      "work, and then its expert work, is done")
@@ -1459,7 +1600,10 @@ def _explain(plan: ClusterPlan) -> str:
                      "optimizer state; the optimizer update runs on the "
                      "host; comm includes host <-> device copies at "
                      f"{plan.options.host_link_bandwidth / 1e9:.0f} GB/s")
-    notes.append("GB are binary (GiB); usable = "
+    if plan.model.unknown_op_types:
+        notes.append("op types the cost model does not know (their bytes "
+                     "are counted, no FLOPs): " + unknown_op_text(plan.model))
+    notes.append("sizes in binary units (KiB, MiB, GiB); usable = "
                  f"{plan.options.usable_fraction:.0%} of device memory; "
                  f"compute at {plan.options.efficiency:.0%} of peak; "
                  "communication not overlapped with compute")
@@ -1468,17 +1612,17 @@ def _explain(plan: ClusterPlan) -> str:
     return "\n".join(lines)
 
 
+def unknown_op_text(model: ModelSpec) -> str:
+    """"Foo x3, Bar x1": the model's unknown op types with their counts."""
+    return ", ".join(f"{name} x{count}"
+                     for name, count in model.unknown_op_types)
+
+
 def _batch_summary(alt: Alternative) -> str:
     """Batch sizes as "86 x4, 42 x4" (runs of equal values)."""
-    sizes = alt.batch_sizes
-    runs: list[list[int]] = []
-    for size in sizes:
-        if runs and runs[-1][0] == size:
-            runs[-1][1] += 1
-        else:
-            runs.append([size, 1])
+    runs = alt.batch_runs
     return ", ".join(f"{s} x{c}" if c > 1 else str(s) for s, c in runs) + \
-        f" (sum {sum(sizes)})"
+        f" (sum {sum(s * c for s, c in runs)})"
 
 
 # --------------------------------------------------------------------------
