@@ -89,9 +89,24 @@ The model of one device
   activations sent between stages are not counted.
 
 The chosen plan is the simplest (earliest listed) feasible alternative whose
-predicted step time is within 3% of the fastest one's (`CHOICE_TOLERANCE`):
-the model is not precise enough to prefer ZeRO or checkpointing for a
-smaller gain.  Everything is deterministic: the same inputs give the same
+predicted step time is within 3% of the fastest one's (`CHOICE_TOLERANCE`, a
+simplicity margin): the model is not precise enough to prefer ZeRO or
+checkpointing for a smaller gain; explain() says so next to a faster
+alternative that was not chosen.
+
+Groups of identical devices
+---------------------------
+Devices of the same profile on hosts with the same device count and network
+form a `DeviceClass` (`epl.planner.devices`); the cluster is a
+`DeviceLayout` that makes a `ClusterDevice` only when asked.  Data-parallel
+alternatives of models without split layers are computed once per class
+(`_grouped_data_parallel`): the batch shares are the same exact quotas and
+rounding as device by device (`balance.grouped_proportional_shares`), so a
+class is one or two `DeviceLoad` rows with a `count`; where an assignment
+would not fit (examples would move one by one) the per-device computation
+runs, as it does for split layers (at most as many devices as experts) and
+pipelines.  `Alternative.rows` holds the rows, `Alternative.loads` one load
+per device (expanded on first use).  Everything is deterministic: the same inputs give the same
 plan and text.
 """
 from __future__ import annotations
@@ -420,6 +435,14 @@ class ClusterPlan:
     def explain(self) -> str:
         """The per-device table, the chosen plan and the alternatives."""
         return _explain(self)
+
+    def as_dict(self) -> dict:
+        """The plan as JSON-ready data (`epl-plan --json`): the model, the
+        chosen plan with one row per group of identical devices, every
+        alternative with its predicted step time or the constraint that
+        ruled it out, the choice rule and the unknown op types.  Bytes are
+        plain numbers of bytes, times seconds."""
+        return _plan_dict(self)
 
 
 # --------------------------------------------------------------------------
@@ -1826,3 +1849,72 @@ def __getattr__(name: str) -> Any:
         from epl.planner import graph_model
         return getattr(graph_model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _row_dict(layout: DeviceLayout, load: DeviceLoad) -> dict:
+    """One row of the JSON table."""
+    runs = merge_runs(load.device_runs)
+    row = {"devices": runs_text(runs),
+           "hosts": runs_text(layout.host_runs(runs)),
+           "count": runs_count(runs), "profile": load.device.profile.name,
+           "batch": load.batch, "shards": load.shards, "stage": load.stage,
+           "layers": list(load.layers) if load.layers else None,
+           "parameter_bytes": load.parameters,
+           "gradient_bytes": load.gradients,
+           "optimizer_bytes": load.optimizer,
+           "activation_bytes": load.activations,
+           "total_bytes": load.total, "usable_bytes": load.usable,
+           "compute_s": load.compute_s, "comm_s": load.comm_s,
+           "wait_s": load.wait_s, "step_s": load.step_s, "fits": load.fits}
+    if load.host_bytes or math.isfinite(load.host_usable):
+        row["host_bytes"] = load.host_bytes
+        row["host_usable_bytes"] = load.host_usable
+    return row
+
+
+def _plan_dict(plan: ClusterPlan) -> dict:
+    """ClusterPlan.as_dict()."""
+    layout = plan.chosen.layout if plan.chosen.layout is not None else \
+        DeviceLayout(plan.hosts)
+    m = plan.model
+    alternatives = []
+    for alt in plan.alternatives:
+        entry = {"name": alt.name, "feasible": alt.feasible,
+                 "step_time_s": alt.step_time if alt.feasible else None,
+                 "chosen": alt is plan.chosen}
+        if alt.feasible:
+            entry["ratio_to_chosen"] = alt.step_time / plan.chosen.step_time
+        else:
+            entry["rejected_because"] = alt.reason
+        alternatives.append(entry)
+    return {
+        "model": {"name": m.name, "layers": len(m.layers),
+                  "parameters": m.num_parameters,
+                  "parameter_bytes": m.parameter_bytes,
+                  "flops_per_example": m.flops_per_example,
+                  "split_units": m.split_units,
+                  "compute_dtype": plan.options.compute_dtype
+                  or m.compute_dtype, "exact": m.exact,
+                  "unknown_op_types": {name: count for name, count
+                                       in m.unknown_op_types},
+                  "notes": list(m.notes)},
+        "cluster": {"hosts": len(plan.hosts), "devices": len(layout),
+                    "groups": [{"devices": runs_text(c.runs),
+                                "hosts": runs_text(layout.host_runs(c.runs)),
+                                "count": c.count, "profile": c.profile.name,
+                                "devices_per_host": c.per_host,
+                                "network_bytes_per_s": c.network.bandwidth}
+                               for c in layout.classes]},
+        "optimizer": plan.optimizer, "global_batch": plan.global_batch,
+        "chosen": {"name": plan.chosen.name,
+                   "step_time_s": plan.chosen.step_time,
+                   "batch_sizes": [{"batch": size, "replicas": count}
+                                   for size, count in plan.chosen.batch_runs],
+                   "rows": [_row_dict(layout, row)
+                            for row in plan.chosen.rows]},
+        "choice_rule": {"simplicity_margin": CHOICE_TOLERANCE,
+                        "rule": "the earliest listed alternative that fits "
+                                "and is within the margin of the fastest "
+                                "one's step time"},
+        "alternatives": alternatives,
+    }
