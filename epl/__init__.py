@@ -11,7 +11,9 @@ The first session on the graph (or epl.parallelize()) rewrites it.
 
 The names below are loaded when first used (PEP 562), so that importing one of
 EPL's low-level modules (epl.errors, epl.ir.*) does not import the whole API
-and, through it, every layer above that module (tools/import_graph.py).
+and, through it, every layer above that module (tools/import_graph.py), and
+importing a TensorFlow-free part (epl.profiles, epl.planner.planner: what
+`epl-plan --model` runs) does not import TensorFlow.
 """
 import importlib
 

@@ -4,6 +4,7 @@
              [-- SCRIPT_ARGS...]) [--optimizer adam] [--global-batch N]
              [--dtype float32|float16] [--offload] [--pipeline-stages S]
              [--micro-batches M] [--efficiency E] [--profiles JSON]
+             [--json]
 
 SPEC is a cluster string such as "2x8xV100-32GB,2x8xT4" (HOSTS x DEVICES x
 PROFILE tokens; see epl.profiles.parse_cluster).  A token may end with its
@@ -30,11 +31,22 @@ The model comes from
   as profile overrides.  Arguments after ``--`` go to the script.
 
 It prints the model, the cluster and each host group's network, the chosen
-plan with a per-device table (batch share, shards, stage, parameter,
+plan with a table of one row per group of identical devices doing the same
+(device and host ranges, count, batch share, shards, stage, parameter,
 gradient, optimizer-state and activation memory against the usable memory,
-predicted compute and communication time per step), and every alternative
-it considered with its predicted step time or the constraint that ruled it
-out.
+in B/KiB/MiB/GiB chosen per value, predicted compute and communication time
+per step), and every alternative it considered with its predicted step time
+or the constraint that ruled it out.  The chosen plan is the earliest
+listed alternative that fits and is within 3% of the fastest one's step
+time (a simplicity margin: ZeRO or checkpointing must be more than 3%
+faster to be chosen, the cost model is not more precise than that); a
+faster alternative inside the margin says so.  Op types the cost model does
+not know (a graph's) are named with their counts.  ``--json`` prints the
+same as JSON (`ClusterPlan.as_dict`).
+
+Identical hosts (same profile, device count and network) are planned as
+one group, so a cluster of 100,000 hosts plans in seconds.  ``--model``
+never imports TensorFlow; ``--graph`` and ``--script`` do.
 
 Errors (a cluster string that does not parse, an unknown device profile, a
 model that fits nowhere, a missing or unreadable file, a script that builds
@@ -422,6 +434,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profiles", default=None,
                         help="cluster.device_profiles overrides as JSON, or "
                              "a JSON file")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan as JSON (chosen plan, rows per "
+                             "group of identical devices, alternatives with "
+                             "their step time or the constraint that ruled "
+                             "them out, unknown op types)")
     parser.add_argument("script_args", nargs="*",
                         help="arguments for --script (after --)")
     return parser
@@ -488,7 +505,8 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
 
 
 def run(args: argparse.Namespace) -> str:
-    """Plan as the flags say; returns explain()'s text."""
+    """Plan as the flags say; returns explain()'s text, or with --json the
+    plan's `ClusterPlan.as_dict()` as JSON."""
     from epl.planner.planner import plan_cluster
     from epl.profiles import parse_cluster
     overrides = _overrides(args.profiles)
@@ -504,6 +522,8 @@ def run(args: argparse.Namespace) -> str:
         batch = per_device * sum(h.devices for h in hosts)
     plan = plan_cluster(model, hosts, args.optimizer, batch,
                         _options(args, config))
+    if args.json:
+        return json.dumps(plan.as_dict(), indent=1)
     return plan.explain()
 
 

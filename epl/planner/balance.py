@@ -670,3 +670,110 @@ def _stages_do_not_fit(bounds: list[tuple[int, int]], order: list[int],
                  "(parameters and optimizer state); more pipeline stages or "
                  "devices with more memory.")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Groups of identical devices.
+# --------------------------------------------------------------------------
+
+def grouped_proportional_shares(total: int, capabilities: Sequence[float],
+                                members: Sequence[Sequence[tuple[int, int]]],
+                                minimum: int = 0,
+                                fixed_time: Sequence[float] | None = None
+                                ) -> list[list[tuple[int, tuple]]]:
+    """`proportional_shares` over groups of identical devices, exactly.
+
+    Group g holds the devices in `members[g]` (sorted (first, end) runs of
+    device indices, end exclusive), each of capability `capabilities[g]`
+    (and busy `fixed_time[g]`).  The result is what `proportional_shares`
+    gives over the devices one by one: the same exact quotas (every device
+    of a group has the same one), floors, and the remaining units to the
+    largest remainders, ties to the larger capability, then the lower
+    device index.  So a group splits into at most two parts.
+
+    Returns:
+        Per group, [(units per device, runs of the devices that get them)],
+        larger share first; parts with no devices are left out.
+    """
+    caps_f = _capabilities(capabilities)
+    counts = [sum(b - a for a, b in runs) for runs in members]
+    n = sum(counts)
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        raise ClusterError(f"the total to share must be a non-negative int, "
+                           f"got {total!r}")
+    if minimum * n > total:
+        raise ClusterError(f"cannot give {n} devices at least {minimum} "
+                           f"each out of {total}")
+    caps, caps_den = _integers(caps_f)
+    groups = range(len(caps))
+    if fixed_time is not None and any(fixed_time):
+        if minimum:
+            raise ClusterError("fixed_time needs minimum=0")
+        busy, busy_den = _integers(
+            _per_device(fixed_time, len(caps), "fixed time", 0.0))
+        active = set(groups)
+        while True:
+            weight = sum(counts[i] * caps[i] for i in active)
+            top = total * busy_den * caps_den + sum(
+                counts[i] * busy[i] * caps[i] for i in active)
+            late = {i for i in active if busy[i] * weight >= top}
+            if not late:
+                break
+            active -= late
+        numerators = [(top - busy[i] * weight) * caps[i] if i in active
+                      else 0 for i in groups]
+        denominator = busy_den * weight * caps_den
+    else:
+        pinned: set[int] = set()
+        while True:
+            rest = total - minimum * sum(counts[i] for i in pinned)
+            weight = sum(counts[i] * caps[i] for i in groups
+                         if i not in pinned)
+            low = {i for i in groups if i not in pinned
+                   and rest * caps[i] < minimum * weight}
+            if not low:
+                break
+            pinned |= low
+        numerators = [minimum * weight if i in pinned else rest * caps[i]
+                      for i in groups]
+        denominator = weight
+    floors = [num // denominator for num in numerators]
+    remainders = [num - f * denominator for num, f in zip(numerators, floors)]
+    left = total - sum(f * c for f, c in zip(floors, counts))
+    plus: list[tuple] = [() for _ in groups]
+    order = sorted(groups, key=lambda i: (-remainders[i], -caps[i]))
+    start = 0
+    while start < len(order) and left > 0:
+        key = (remainders[order[start]], caps[order[start]])
+        tied = [i for i in order[start:]
+                if (remainders[i], caps[i]) == key]
+        start += len(tied)
+        runs = sorted((a, b, i) for i in tied for a, b in members[i])
+        for a, b, i in runs:
+            take = min(b - a, left)
+            if take <= 0:
+                break
+            plus[i] += ((a, a + take),)
+            left -= take
+    out = []
+    for i in groups:
+        got = plus[i]
+        rest_runs = _subtract_runs(tuple(tuple(r) for r in members[i]), got)
+        parts = [(floors[i] + 1, got)] if got else []
+        if rest_runs:
+            parts.append((floors[i], rest_runs))
+        out.append(parts)
+    return out
+
+
+def _subtract_runs(runs: tuple, taken: tuple) -> tuple:
+    """`runs` without the devices in `taken` (a prefix of each run)."""
+    taken_by_start = {a: b for a, b in taken}
+    out = []
+    for a, b in runs:
+        end = taken_by_start.get(a)
+        if end is None:
+            out.append((a, b))
+        elif end < b:
+            out.append((end, b))
+    return tuple(out)

@@ -11,7 +11,9 @@ op names -- and runs nothing.
 - `memory_estimate(...)` estimates per group the bytes of parameters,
   gradients, optimizer slots and activations kept for the backward pass.
 - `predict_time` and `comm_time` turn costs into seconds on a
-  `epl.profiles.DeviceProfile` (roofline and ring all-reduce models).
+  `epl.profiles.DeviceProfile` (roofline and ring all-reduce models);
+  they, `GroupCost`, `optimizer_slots` and `checkpointed_bytes` live in
+  the TensorFlow-free `epl.planner.roofline` and are re-exported here.
 
 Counting conventions
 --------------------
@@ -56,19 +58,23 @@ import dataclasses
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import tensorflow as tf
 
 from epl.errors import ConfigError
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
+# The TF-free half (costs as numbers, roofline time, ring all-reduce,
+# optimizer slots), re-exported: `epl.planner.roofline`.
+from epl.planner.roofline import (APPLY_OPS, DEFAULT_EFFICIENCY,  # noqa: F401
+                                  OPTIMIZER_SLOTS, GroupCost,
+                                  checkpointed_bytes, comm_time,
+                                  optimizer_slots, predict_time)
 
 FORWARD, BACKWARD, APPLY, OTHER = "forward", "backward", "apply", "other"
 #: The group key when no group function is given.
 ALL = "all"
-#: Default fraction of peak FLOP/s a training step reaches (typical MFU).
-DEFAULT_EFFICIENCY = 0.5
 
 GroupFn = Callable[[tf.Operation], Hashable]
 
@@ -99,31 +105,6 @@ class OpCost:
     def bytes(self) -> float:
         """Memory traffic: bytes read plus bytes written."""
         return self.bytes_read + self.bytes_written
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupCost:
-    """The summed cost of one group of ops.
-
-    Attributes:
-        flops: total FLOPs.
-        bytes: total memory traffic (bytes read plus written).
-        parameter_bytes: bytes of the distinct variables the group's ops
-            read or write (in an apply-phase group this includes the
-            optimizer's slot variables).
-        num_ops: number of ops in the group.
-        op_types: op type -> count.
-        exact: every op's cost was exact.
-        unmodelled_op_types: op types the model has no formula for.
-    """
-
-    flops: float = 0.0
-    bytes: float = 0.0
-    parameter_bytes: float = 0.0
-    num_ops: int = 0
-    op_types: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    exact: bool = True
-    unmodelled_op_types: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,15 +327,6 @@ SCATTER_OPS = frozenset({
     "ResourceScatterNdAdd", "ResourceScatterNdUpdate"})
 
 #: Apply-op optimizer name -> (FLOPs per updated element, slot variables).
-APPLY_OPS = {
-    "GradientDescent": (2, 0), "ProximalGradientDescent": (4, 0),
-    "Momentum": (4, 1), "KerasMomentum": (4, 1), "Adam": (12, 2),
-    "AdamWithAmsgrad": (14, 3), "AdaMax": (12, 2), "Adagrad": (5, 1),
-    "AdagradV2": (6, 1), "ProximalAdagrad": (8, 1), "AdagradDA": (10, 2),
-    "RMSProp": (10, 2), "CenteredRMSProp": (14, 3), "Adadelta": (12, 2),
-    "Ftrl": (15, 2), "FtrlV2": (16, 2), "AddSign": (8, 1),
-    "PowerSign": (8, 1),
-}
 _APPLY_RE = re.compile(r"^(?:Resource)?(?:Sparse)?Apply(\w+)$")
 
 _CONV_FULL = frozenset({"Conv2D", "Conv3D", "_FusedConv2D"})
@@ -669,27 +641,6 @@ def graph_cost(graph: tf.Graph | tf.compat.v1.GraphDef,
 # memory_estimate.
 # --------------------------------------------------------------------------
 
-#: Slot variables per parameter for each optimizer.
-OPTIMIZER_SLOTS = {
-    "sgd": 0, "gradientdescent": 0, "momentum": 1, "nesterov": 1,
-    "adam": 2, "adamw": 2, "lazyadam": 2, "adamax": 2, "nadam": 2,
-    "adagrad": 1, "rmsprop": 2, "centeredrmsprop": 3, "adadelta": 2,
-    "ftrl": 2, "lamb": 2,
-}
-
-
-def optimizer_slots(optimizer: str) -> int:
-    """Slot variables per parameter for `optimizer` ("adam", "AdamOptimizer",
-    "sgd", ...).  Raises ConfigError for an optimizer it does not know."""
-    key = re.sub(r"[^a-z0-9]", "", str(optimizer).lower())
-    key = re.sub(r"optimizer$", "", key) or key
-    if key not in OPTIMIZER_SLOTS:
-        raise ConfigError(
-            f"unknown optimizer {optimizer!r} for the memory estimate; known: "
-            f"{sorted(OPTIMIZER_SLOTS)}")
-    return OPTIMIZER_SLOTS[key]
-
-
 # AMP O1 (graph_passes/amp.py) runs these op types in low precision; their
 # gradients are products of the same kinds (plus the filter/input backprops).
 AMP_LOW_PRECISION_TYPES = frozenset({
@@ -766,23 +717,6 @@ def _is_activation(tensor: tf.Tensor,
             and op.type not in VARIABLE_OPS
             and op.type not in ("Const", "HostConst")
             and tensor.dtype.base_dtype != tf.resource)
-
-
-def checkpointed_bytes(sizes: list[float]) -> float:
-    """Bytes kept with gradient checkpointing over tensors of `sizes`.
-
-    The n tensors (in forward order) are cut into ceil(sqrt(n)) contiguous
-    segments; the first tensor of each segment is kept, and during the
-    backward pass one segment at a time is recomputed, so the peak is the
-    kept tensors plus the largest segment's other tensors.
-    """
-    n = len(sizes)
-    if n <= 1:
-        return float(sum(sizes))
-    length = math.ceil(n / math.ceil(math.sqrt(n)))
-    segments = [sizes[i:i + length] for i in range(0, n, length)]
-    kept = sum(segment[0] for segment in segments)
-    return float(kept + max(sum(segment[1:]) for segment in segments))
 
 
 def _activation_bytes(tensors: list[tf.Tensor], s: _Sizer,
@@ -879,40 +813,3 @@ def _group_memory(part: dict[str, Any], slots: int, zero_shards: int,
         parameters=params, gradients=params,
         optimizer_slots=params * slots / zero_shards,
         activations=activations, exact=part["exact"] and s.exact)
-
-
-# --------------------------------------------------------------------------
-# Time.
-# --------------------------------------------------------------------------
-
-def predict_time(cost: OpCost | GroupCost, profile: Any,
-                 dtype: Any = "float32",
-                 efficiency: float = DEFAULT_EFFICIENCY,
-                 memory_efficiency: float = 1.0) -> float:
-    """Roofline time in seconds of `cost` on a device of `profile`.
-
-    max(flops / (peak_flops[dtype] * efficiency),
-        bytes / (memory_bandwidth * memory_efficiency)).
-    `profile` is an epl.profiles.DeviceProfile.
-    """
-    if not 0 < efficiency <= 1 or not 0 < memory_efficiency <= 1:
-        raise ConfigError(f"efficiencies must be in (0, 1], got "
-                          f"{efficiency!r} and {memory_efficiency!r}")
-    compute = cost.flops / (profile.flops(dtype) * efficiency)
-    memory = cost.bytes / (profile.memory_bandwidth * memory_efficiency)
-    return max(compute, memory)
-
-
-def comm_time(nbytes: float, bandwidth: float, n: int,
-              latency: float = 0.0) -> float:
-    """Seconds for a ring all-reduce of `nbytes` among `n` devices.
-
-    2 * (n - 1) / n * nbytes / bandwidth, plus 2 * (n - 1) * latency for
-    the ring's steps; zero for n <= 1.  `bandwidth` is per direction, in
-    bytes/s (e.g. a profile's intra_node_bandwidth).
-    """
-    if n <= 1:
-        return 0.0
-    if bandwidth <= 0:
-        raise ConfigError(f"bandwidth must be positive, got {bandwidth!r}")
-    return 2.0 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency

@@ -89,23 +89,43 @@ The model of one device
   activations sent between stages are not counted.
 
 The chosen plan is the simplest (earliest listed) feasible alternative whose
-predicted step time is within 3% of the fastest one's (`CHOICE_TOLERANCE`):
-the model is not precise enough to prefer ZeRO or checkpointing for a
-smaller gain.  Everything is deterministic: the same inputs give the same
+predicted step time is within 3% of the fastest one's (`CHOICE_TOLERANCE`, a
+simplicity margin): the model is not precise enough to prefer ZeRO or
+checkpointing for a smaller gain; explain() says so next to a faster
+alternative that was not chosen.
+
+Groups of identical devices
+---------------------------
+Devices of the same profile on hosts with the same device count and network
+form a `DeviceClass` (`epl.planner.devices`); the cluster is a
+`DeviceLayout` that makes a `ClusterDevice` only when asked.  Data-parallel
+alternatives of models without split layers are computed once per class
+(`_grouped_data_parallel`): the batch shares are the same exact quotas and
+rounding as device by device (`balance.grouped_proportional_shares`), so a
+class is one or two `DeviceLoad` rows with a `count`; where an assignment
+would not fit (examples would move one by one) the per-device computation
+runs, as it does for split layers (at most as many devices as experts) and
+pipelines.  `Alternative.rows` holds the rows, `Alternative.loads` one load
+per device (expanded on first use).  Everything is deterministic: the same inputs give the same
 plan and text.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
 from epl.planner import balance
-from epl.planner import cost_model as cm
+from epl.planner import roofline as cm
 from epl.planner.balance import GiB, gb, index_ranges
+from epl.planner.devices import (ClusterDevice, DeviceClass,  # noqa: F401 (re-exported)
+                                 DeviceLayout, Runs, cluster_devices,
+                                 merge_runs, runs_count, runs_text)
+from epl.planner.model_spec import LayerSpec, ModelSpec
 from epl.profiles import (PCIE3_X16, DeviceProfile, HostNetwork, HostSpec,
                           normalize_dtype, parse_cluster)
 
@@ -123,122 +143,11 @@ _APPLY_OP_OF = {
     "centeredrmsprop": "CenteredRMSProp", "adadelta": "Adadelta",
     "ftrl": "Ftrl",
 }
-_SLOT_OPTIMIZER = {0: "sgd", 1: "momentum", 2: "adam", 3: "centeredrmsprop"}
-#: Optimizer apply op types, as cost_model reads them.
-_APPLY_TYPE = re.compile(r"^(?:Resource)?(?:Sparse)?Apply(\w+)$")
 
 
 # --------------------------------------------------------------------------
 # Model descriptions.
 # --------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class LayerSpec:
-    """One layer (or TaskGraph) of a model, as numbers.
-
-    Per-example figures cover one training example's forward and backward
-    pass.  "split" figures belong to the layer's split dimension (for
-    example the experts of a mixture-of-experts layer), which is sharded
-    over the devices: `split_parameter_bytes` is the whole dimension's
-    parameters, `split_flops_per_example` what one example costs on
-    whichever device owns its expert.
-
-    Attributes:
-        name: label for messages.
-        flops_per_example: forward + backward FLOPs of the replicated part.
-        bytes_per_example: memory traffic of the same.
-        activation_bytes_per_example: bytes kept for the backward pass.
-        parameter_bytes: replicated parameters.
-        recompute_flops_per_example: forward FLOPs re-run under gradient
-            checkpointing (None: a third of forward + backward).
-        checkpointed_activation_bytes_per_example: activation bytes under
-            checkpointing (None: computed over the model's layers with
-            `cost_model.checkpointed_bytes`).
-        split_parameter_bytes / split_flops_per_example /
-        split_bytes_per_example / split_activation_bytes_per_example: the
-            split part, as above.
-        alltoall_bytes_per_example: bytes one example sends to other devices
-            for its split part (dispatch + combine, forward + backward).
-        stage: the annotated stage (TaskGraph index).
-    """
-
-    name: str
-    flops_per_example: float = 0.0
-    bytes_per_example: float = 0.0
-    activation_bytes_per_example: float = 0.0
-    parameter_bytes: float = 0.0
-    recompute_flops_per_example: float | None = None
-    checkpointed_activation_bytes_per_example: float | None = None
-    split_parameter_bytes: float = 0.0
-    split_flops_per_example: float = 0.0
-    split_bytes_per_example: float = 0.0
-    split_activation_bytes_per_example: float = 0.0
-    alltoall_bytes_per_example: float = 0.0
-    stage: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A model as the planner sees it: layers of numbers.
-
-    Attributes:
-        name: label.
-        layers: in model order.
-        compute_dtype: the dtype whose peak FLOP/s applies ("float16" for
-            mixed precision).
-        parameter_dtype_bytes: bytes per parameter element (for the
-            optimizer update's element count).
-        split_units: size of the split dimension shared by all split layers
-            (e.g. experts per layer); 0 when nothing is split.
-        batch_size: the batch the description was measured at, if known.
-        exact: False when some figure is an estimate (unknown shapes, op
-            types the cost model does not know).
-        notes: remarks explain() prints.
-        optimizer: the optimizer the model was built with, if known (a
-            graph's apply ops); plan_cluster uses it when given none.
-    """
-
-    name: str
-    layers: tuple[LayerSpec, ...]
-    compute_dtype: str = "float32"
-    parameter_dtype_bytes: int = 4
-    split_units: int = 0
-    batch_size: int | None = None
-    exact: bool = True
-    notes: tuple[str, ...] = ()
-    optimizer: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", tuple(self.layers))
-        if not self.layers:
-            raise ConfigError(f"model {self.name!r} has no layers")
-        if any(layer.split_parameter_bytes or layer.split_flops_per_example
-               for layer in self.layers) and self.split_units < 1:
-            raise ConfigError(f"model {self.name!r} has split layers but "
-                              f"split_units={self.split_units}")
-
-    @property
-    def parameter_bytes(self) -> float:
-        """Replicated plus split parameter bytes."""
-        return sum(l.parameter_bytes + l.split_parameter_bytes
-                   for l in self.layers)
-
-    @property
-    def num_parameters(self) -> float:
-        """Parameter count."""
-        return self.parameter_bytes / self.parameter_dtype_bytes
-
-    @property
-    def flops_per_example(self) -> float:
-        """Forward + backward FLOPs of one example (replicated + split)."""
-        return sum(l.flops_per_example + l.split_flops_per_example
-                   for l in self.layers)
-
-    @property
-    def stages(self) -> int:
-        """Number of distinct annotated stages."""
-        return len({layer.stage for layer in self.layers})
-
 
 @dataclasses.dataclass(frozen=True)
 class _Totals:
@@ -302,326 +211,8 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
 
 
 # --------------------------------------------------------------------------
-# From a TensorFlow graph.
-# --------------------------------------------------------------------------
-
-def infer_optimizer(graph: Any) -> str | None:
-    """The optimizer name ("adam", "sgd", ...) behind the graph's apply ops.
-
-    Reads op types only (ResourceApplyAdam -> "adam"); None when the graph
-    has no apply op.  Optimizers with the same slot count map to one name.
-    """
-    graph = cm.as_graph(graph)
-    for op in graph.get_operations():
-        match = _APPLY_TYPE.match(op.type)
-        if match and match.group(1) in cm.APPLY_OPS:
-            slots = cm.APPLY_OPS[match.group(1)][1]
-            return _SLOT_OPTIMIZER.get(slots, "adam")
-    return None
-
-
-def _trainable_variable_ops(graph: Any) -> list:
-    """Trained variables of a graph without a TRAINABLE_VARIABLES collection:
-    the variables apply ops update (their first input), else every
-    floating-point variable."""
-    updated = {}
-    for op in graph.get_operations():
-        match = _APPLY_TYPE.match(op.type)
-        if match and op.inputs:
-            var = cm.variable_op(op.inputs[0])
-            if var is not None:
-                updated[var.name] = var
-    if updated:
-        return list(updated.values())
-    import tensorflow as tf
-    return [op for op in graph.get_operations() if op.type in cm.VARIABLE_OPS
-            and tf.as_dtype(op.get_attr("dtype")).base_dtype.is_floating]
-
-
-def _tagged_phases(graph: Any) -> bool:
-    """Whether any op carries EPL's phase attribute."""
-    return any(cm.PHASE_ATTR in op.node_def.attr
-               for op in graph.get_operations())
-
-
-def _analysed_view(graph: Any):
-    """The TrainingView of a graph EPL recorded a training step on, or None."""
-    from epl.ir.graph_view import analyze
-    from epl.ir.taskgraph import graph_state
-    from epl.errors import EPLError
-    state = graph_state(graph, create=False)
-    if state is None or not state.train_steps:
-        return None
-    try:
-        return analyze(graph, state)
-    except EPLError:
-        return None
-
-
-def _static_batch(graph: Any) -> int | None:
-    """The batch size of the graph's batch inputs, if static."""
-    from epl.errors import ParallelizeError
-    from epl.ir.graph_view import find_batch_inputs
-    try:
-        return find_batch_inputs(set(graph.get_operations()))[1]
-    except ParallelizeError:
-        return None
-
-
-class _Measure:
-    """Costs of a graph at unknown_dim 1 and 2, per (group, phase)."""
-
-    def __init__(self, values: Mapping[int, Mapping], batch: int | None):
-        self.values = values
-        self.batch = batch
-
-    def per_example(self, key: Hashable, attr: str) -> float:
-        """Per-example figure: the slope in the unknown batch dimension,
-        else the static batch's total divided by the batch."""
-        one = _field(self.values[1].get(key), attr)
-        two = _field(self.values[2].get(key), attr)
-        slope = two - one
-        if slope > 0:
-            return slope
-        return one / self.batch if self.batch else one
-
-
-def _field(value: Any, attr: str) -> float:
-    """getattr(value, attr) or 0 when the group is absent."""
-    return float(getattr(value, attr)) if value is not None else 0.0
-
-
-def model_from_graph(graph: Any, view: Any = None,
-                     trainable_vars: Any = None, amp_dtype: Any = None,
-                     name: str = "graph") -> ModelSpec:
-    """Describe a training graph as a ModelSpec: one layer per TaskGraph.
-
-    Args:
-        graph: tf.Graph or GraphDef with forward, backward and apply ops
-            (EPL's `_epl_taskgraph` / `_epl_phase` attributes where
-            present).
-        view: its epl.ir.graph_view.TrainingView (phases, TaskGraphs and
-            batch size from the analysis); found from the graph's EPL state
-            when None.
-        trainable_vars: the trained variables; default the graph's
-            collection, else the variables its apply ops update.
-        amp_dtype: float16/bfloat16 when training under AMP (halves float32
-            activations; peak FLOP/s of that dtype).
-        name: the model's label.
-
-    Returns:
-        ModelSpec: per TaskGraph (in order), forward+backward FLOPs, bytes
-        and activation bytes per example (the slope in the unknown batch
-        dimension, or the static batch's figures divided by the batch),
-        checkpointed activations and replicated parameter bytes; the
-        optimizer its apply ops use.  The update's cost is left to the
-        planner.
-    """
-    graph = cm.as_graph(graph)
-    if view is None:
-        view = _analysed_view(graph)
-    group_fn, phase_fn, order = _group_functions(graph, view)
-    batch = view.global_batch_size if view is not None else \
-        _static_batch(graph)
-    pair = lambda op: (group_fn(op), phase_fn(op))  # noqa: E731
-    costs = _Measure({u: cm.graph_cost(graph, pair, unknown_dim=u)
-                      for u in (1, 2)}, batch)
-    variables = trainable_vars
-    if variables is None and not graph.get_collection(
-            "trainable_variables"):
-        variables = _trainable_variable_ops(graph)
-    memory = {ck: _Measure({u: cm.memory_estimate(
-        graph, variables, "sgd", group_fn=group_fn, checkpointing=ck,
-        amp_dtype=amp_dtype, phase_fn=phase_fn, unknown_dim=u)
-        for u in (1, 2)}, batch) for ck in (False, True)}
-    split_names = {tg.name for tg in getattr(view, "split_taskgraphs", [])} \
-        if view is not None else set()
-    layers = tuple(_graph_split_layer(key, costs, memory) if key in split_names
-                   else _graph_layer(key, stage, costs, memory)
-                   for stage, key in enumerate(order))
-    split_units = _split_dimension(graph, split_names)
-    exact = all(c.exact for c in costs.values[1].values())
-    notes = [] if exact else ["some shapes or op types were not known to "
-                              "the cost model; figures are estimates"]
-    if not _tagged_phases(graph) and view is None:
-        notes.append("the graph has no EPL phase tags: activation memory "
-                     "is not estimated (build it under epl.init)")
-    dtype = normalize_dtype(amp_dtype) if amp_dtype else "float32"
-    return ModelSpec(name=name, layers=layers, compute_dtype=dtype,
-                     batch_size=batch, exact=exact, notes=tuple(notes),
-                     optimizer=infer_optimizer(graph), split_units=split_units)
-
-
-def _graph_split_layer(key: Hashable, costs: _Measure,
-                       memory: Mapping[bool, _Measure]) -> LayerSpec:
-    """The LayerSpec of a split TaskGraph (epl.split): all of it is the split part.
-
-    Its FLOPs and bytes are summed over the shards (each device does its
-    shard's share for every example), its parameters are the whole of the
-    sharded variables.
-    """
-    fwd, bwd = (key, cm.FORWARD), (key, cm.BACKWARD)
-    return LayerSpec(
-        name=str(key),
-        split_flops_per_example=costs.per_example(fwd, "flops")
-        + costs.per_example(bwd, "flops"),
-        split_bytes_per_example=costs.per_example(fwd, "bytes")
-        + costs.per_example(bwd, "bytes"),
-        split_activation_bytes_per_example=memory[False].per_example(
-            key, "activations"),
-        split_parameter_bytes=_field(memory[False].values[1].get(key),
-                                     "parameters"))
-
-
-def _split_dimension(graph: Any, split_names: set) -> int:
-    """Units of the split dimension (the smallest over the split TaskGraphs):
-    the full extent of the axis the split pass sharded (classes, experts)."""
-    if not split_names:
-        return 0
-    from epl.ir.taskgraph import graph_state
-    state = graph_state(graph, create=False)
-    extents = [sum(v.sizes) for record in (state.splits if state else [])
-               if record.taskgraph in split_names for v in record.variables.values()]
-    return min(extents) if extents else 0
-
-
-def _graph_layer(key: Hashable, stage: int, costs: _Measure,
-                 memory: Mapping[bool, _Measure]) -> LayerSpec:
-    """The LayerSpec of one TaskGraph."""
-    fwd, bwd = (key, cm.FORWARD), (key, cm.BACKWARD)
-    return LayerSpec(
-        name=str(key) if key is not None else "model",
-        flops_per_example=costs.per_example(fwd, "flops")
-        + costs.per_example(bwd, "flops"),
-        bytes_per_example=costs.per_example(fwd, "bytes")
-        + costs.per_example(bwd, "bytes"),
-        recompute_flops_per_example=costs.per_example(fwd, "flops"),
-        activation_bytes_per_example=memory[False].per_example(
-            key, "activations"),
-        checkpointed_activation_bytes_per_example=memory[True].per_example(
-            key, "activations"),
-        parameter_bytes=_field(memory[False].values[1].get(key),
-                               "parameters"),
-        stage=stage)
-
-
-def _group_functions(graph: Any, view: Any
-                     ) -> tuple[Callable, Callable, list[Hashable]]:
-    """(op -> TaskGraph key, op -> phase, TaskGraph keys in order)."""
-    if view is not None:
-        taskgraph_of, phase_of = view.taskgraph_of, view.phase_of
-
-        def group_fn(op):
-            taskgraph = taskgraph_of.get(op)
-            return taskgraph.name if taskgraph is not None else \
-                view.taskgraphs[0].name
-
-        def phase_fn(op):
-            phase = phase_of.get(op)
-            return phase.value if phase is not None else cm.OTHER
-
-        return group_fn, phase_fn, [tg.name for tg in view.taskgraphs] + [
-            tg.name for tg in getattr(view, "split_taskgraphs", [])]
-    order: list[Hashable] = []
-    for op in graph.get_operations():
-        key = cm.taskgraph_of(op)
-        if key is not None and key not in order:
-            order.append(key)
-    phase_fn = _structural_phases(graph)
-    if not order:
-        return (lambda op: None), phase_fn, [None]
-    resolved = _structural_taskgraphs(graph, order)
-    return (lambda op: resolved[op]), phase_fn, order
-
-
-def _structural_taskgraphs(graph: Any, order: list[Hashable]
-                           ) -> dict[Any, Hashable]:
-    """op -> TaskGraph for a graph without an EPL analysis.
-
-    The `_epl_taskgraph` attribute where set; else the TaskGraph of the op
-    it is colocated with (backward and apply ops); else the latest
-    TaskGraph among its inputs; else the first (graph_view's rules).
-    """
-    from epl.ir.graph_view import colocation_root
-    rank = {key: i for i, key in enumerate(order)}
-    resolved: dict[Any, Hashable] = {}
-    for op in graph.get_operations():
-        key = cm.taskgraph_of(op)
-        if key is None:
-            root = colocation_root(op)
-            key = resolved.get(root) if root is not None else None
-        if key is None:
-            producers = [resolved[t.op] for t in op.inputs
-                         if t.op in resolved]
-            key = max(producers, key=rank.__getitem__) if producers \
-                else order[0]
-        resolved[op] = key
-    return resolved
-
-
-def _structural_phases(graph: Any) -> Callable:
-    """op -> phase for a graph without an EPL analysis (e.g. a GraphDef).
-
-    Ops tagged "backward"/"apply" keep their tag, as do untagged optimizer
-    apply ops ("apply").  With backward tags present, the untagged ops the
-    backward ops need (data inputs, transitively: the forward pass, the
-    loss and the input pipeline) are "forward" and the rest (initializers,
-    savers) "other"; with none, every untagged op counts as forward.
-    """
-    phases: dict[Any, str] = {}
-    backward = []
-    for op in graph.get_operations():
-        tag = cm.phase_of(op)
-        if tag in (cm.BACKWARD, cm.APPLY):
-            phases[op] = tag
-            backward += [op] if tag == cm.BACKWARD else []
-        elif _APPLY_TYPE.match(op.type):
-            phases[op] = cm.APPLY
-    if not backward:
-        return lambda op: phases.get(op, cm.FORWARD)
-    stack = [t.op for op in backward for t in op.inputs]
-    while stack:
-        op = stack.pop()
-        if op in phases:
-            continue
-        phases[op] = cm.FORWARD
-        stack.extend(t.op for t in op.inputs)
-    return lambda op: phases.get(op, cm.OTHER)
-
-
-# --------------------------------------------------------------------------
 # Devices and options.
 # --------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ClusterDevice:
-    """One device of the cluster: global index, host, index in the host,
-    profile, and its host's network (None: one NIC at the profile's
-    inter_node_bandwidth, as HostSpec's default)."""
-
-    index: int
-    host: int
-    local: int
-    profile: DeviceProfile
-    network: HostNetwork | None = None
-
-    def __post_init__(self) -> None:
-        if self.network is None:
-            object.__setattr__(self, "network", HostNetwork(
-                1, self.profile.inter_node_bandwidth))
-
-
-def cluster_devices(hosts: Sequence[HostSpec]) -> list[ClusterDevice]:
-    """Every device of `hosts`, numbered host by host."""
-    devices = []
-    for h, host in enumerate(hosts):
-        for local in range(host.devices):
-            devices.append(ClusterDevice(len(devices), h, local, host.profile,
-                                         host.network))
-    if not devices:
-        raise ClusterError("the cluster has no devices")
-    return devices
-
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
@@ -673,6 +264,9 @@ class DeviceLoad:
     """What one device does and holds under one alternative.
 
     Bytes are on the device unless named host; times are seconds per step.
+    One DeviceLoad may stand for `count` identical devices that do the
+    same (`runs`: their indices; `device`: the first of them): the planner
+    computes a group of identical devices once.
     """
 
     device: ClusterDevice
@@ -690,6 +284,13 @@ class DeviceLoad:
     shards: int | None = None
     stage: int | None = None
     layers: tuple[int, int] | None = None
+    count: int = 1  # devices this row stands for (identical ones)
+    runs: Runs = ()  # their indices, when count > 1 or given
+
+    @property
+    def device_runs(self) -> Runs:
+        """Indices of the devices this row stands for, as (first, end) runs."""
+        return self.runs or ((self.device.index, self.device.index + 1),)
 
     @property
     def total(self) -> float:
@@ -726,45 +327,79 @@ class Alternative:
 
     Attributes:
         name: e.g. "data-parallel, balanced by capability".
-        loads: per device (the intended assignment, also when rejected).
+        rows: the intended assignment (also when rejected): one DeviceLoad
+            per device, or per group of identical devices doing the same
+            (`DeviceLoad.count`); `loads` has one per device.
         feasible: every device fits.
         reason: why it was rejected ("" when feasible).
         checkpointing / zero / pipeline_stages: what it uses.
         num_micro_batch: micro-batches per step (pipelines).
+        layout: the cluster's DeviceLayout (to expand grouped rows).
     """
 
     name: str
-    loads: tuple[DeviceLoad, ...]
+    rows: tuple[DeviceLoad, ...]
     feasible: bool
     reason: str = ""
     checkpointing: bool = False
     zero: bool = False
     pipeline_stages: int = 1
     num_micro_batch: int = 1
+    layout: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def loads(self) -> tuple[DeviceLoad, ...]:
+        """One DeviceLoad per device, in device index order (grouped rows
+        expanded: for a huge cluster, use `rows`)."""
+        if all(row.count == 1 and not row.runs for row in self.rows):
+            return self.rows
+        out = []
+        for row in self.rows:
+            for first, end in row.device_runs:
+                out += [dataclasses.replace(row, device=self.layout[i],
+                                            count=1, runs=())
+                        for i in range(first, end)]
+        return tuple(sorted(out, key=lambda load: load.device.index))
 
     @property
     def step_time(self) -> float:
         """Predicted seconds per step (the slowest device)."""
-        return max(load.step_s for load in self.loads) if self.loads \
+        return max(load.step_s for load in self.rows) if self.rows \
             else math.inf
 
     @property
     def compute_time(self) -> float:
         """The slowest device's compute seconds."""
-        return max(load.compute_s for load in self.loads)
+        return max(load.compute_s for load in self.rows)
 
     @property
     def worst_shortfall(self) -> float:
         """Largest bytes over capacity of any device (device or host)."""
-        return max((max(l.shortfall, l.host_shortfall) for l in self.loads),
+        return max((max(l.shortfall, l.host_shortfall) for l in self.rows),
                    default=math.inf)
+
+    @property
+    def batch_runs(self) -> list[tuple[int, int]]:
+        """Per data-parallel replica batch sizes as (size, replicas) runs in
+        device order (what `batch_sizes` lists one by one)."""
+        parts = sorted((first, end, row.batch) for row in self.rows
+                       if row.stage in (None, 0)
+                       for first, end in row.device_runs)
+        runs: list[list[int]] = []
+        for first, end, batch in parts:
+            if runs and runs[-1][0] == batch:
+                runs[-1][1] += end - first
+            else:
+                runs.append([batch, end - first])
+        return [(size, count) for size, count in runs]
 
     @property
     def batch_sizes(self) -> list[int]:
         """Per data-parallel replica batch sizes (one per device for data
         parallelism; one per pipeline, from its first stage, for pipelines).
         """
-        return [l.batch for l in self.loads if l.stage in (None, 0)]
+        return [size for size, count in self.batch_runs
+                for _ in range(count)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -800,6 +435,14 @@ class ClusterPlan:
     def explain(self) -> str:
         """The per-device table, the chosen plan and the alternatives."""
         return _explain(self)
+
+    def as_dict(self) -> dict:
+        """The plan as JSON-ready data (`epl-plan --json`): the model, the
+        chosen plan with one row per group of identical devices, every
+        alternative with its predicted step time or the constraint that
+        ruled it out, the choice rule and the unknown op types.  Bytes are
+        plain numbers of bytes, times seconds."""
+        return _plan_dict(self)
 
 
 # --------------------------------------------------------------------------
@@ -1069,7 +712,92 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
 
 def _data_parallel(ctx: _Context, name: str, balanced: bool,
                    checkpointing: bool, zero: bool) -> Alternative:
-    """Evaluate one data-parallel alternative.
+    """Evaluate one data-parallel alternative: per group of identical
+    devices where that gives the per-device answer (`_grouped_data_parallel`),
+    else device by device (`_per_device_data_parallel`)."""
+    grouped = _grouped_data_parallel(ctx, name, balanced, checkpointing, zero)
+    if grouped is not None:
+        return grouped
+    return _per_device_data_parallel(ctx, name, balanced, checkpointing, zero)
+
+
+def _ring_link(ctx: _Context) -> float:
+    """`_slowest_link` of the whole cluster, from its device classes."""
+    layout = ctx.devices
+    if len(layout.hosts) == 1:
+        return _slowest_link([c.representative
+                              for c in layout.classes])[0]
+    return _cluster_link(layout)[0]
+
+
+def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
+                           checkpointing: bool, zero: bool
+                           ) -> Alternative | None:
+    """A data-parallel alternative computed once per DeviceClass, or None
+    where only the per-device computation gives the answer.
+
+    Without split layers every device of a class holds the same state and
+    runs at the same speed, so its batch share is the same exact quota; the
+    rounding gives some devices of a class one more example
+    (`balance.grouped_proportional_shares`, the same rounding as
+    device by device).  So a class is one or two rows.  When an assignment
+    would not fit some device (the balancer would move examples one by one,
+    or report a shortfall) the per-device computation runs instead, as it
+    does for models with split layers (they are planned on at most as many
+    devices as experts).
+    """
+    if ctx.model.split_units or not isinstance(ctx.devices, DeviceLayout):
+        return None
+    layout, n = ctx.devices, len(ctx.devices)
+    classes = layout.classes
+    totals = _totals(ctx.model.layers, checkpointing)
+    reps = [c.representative for c in classes]
+    state = _device_state(ctx, totals, 0, n, zero)
+    fixed = state.parameters + state.gradients + state.optimizer + \
+        state.activations
+    members = [c.runs for c in classes]
+    if balanced:
+        caps = [1.0 / _per_example_time(ctx, d, totals) for d in reps]
+        busy = [ctx.update_time(d, state.update_bytes) for d in reps]
+        limits = balance._unit_limits([fixed] * len(reps),
+                                      [totals.act] * len(reps),
+                                      [ctx.usable(d) for d in reps])
+        parts = balance.grouped_proportional_shares(
+            ctx.global_batch, caps, members, 0, busy)
+        if any(size > limit for group, limit in zip(parts, limits)
+               for size, _ in group):
+            return None
+    else:
+        parts = balance.grouped_proportional_shares(
+            ctx.global_batch, [1.0] * len(reps), members)
+    comm = cm.comm_time(totals.params, _ring_link(ctx), n) + \
+        state.offload_traffic / ctx.options.host_link_bandwidth
+    rows = []
+    for device, group in zip(reps, parts):
+        for batch, runs in group:
+            rows.append(DeviceLoad(
+                device=layout[runs[0][0]], batch=batch,
+                parameters=state.parameters, gradients=state.gradients,
+                optimizer=state.optimizer,
+                activations=state.activations + batch * totals.act,
+                usable=ctx.usable(device),
+                compute_s=ctx.time(device, batch * totals.flops,
+                                   batch * totals.bytes)
+                + ctx.update_time(device, state.update_bytes),
+                comm_s=comm, host_bytes=state.host,
+                host_usable=ctx.options.host_memory_per_device
+                if ctx.options.offload else math.inf,
+                count=runs_count(runs), runs=runs))
+    rows.sort(key=lambda row: row.device.index)
+    reason = _memory_reason(rows)
+    return Alternative(name, tuple(rows), not reason, reason, checkpointing,
+                       zero, layout=layout)
+
+
+def _per_device_data_parallel(ctx: _Context, name: str, balanced: bool,
+                              checkpointing: bool, zero: bool
+                              ) -> Alternative:
+    """Evaluate one data-parallel alternative, device by device.
 
     Even: the even split of the batch and of the split units.  Balanced:
     for each candidate expert placement (`_split_placements`), the batch
@@ -1237,19 +965,20 @@ def _memory_reason(loads: Sequence[DeviceLoad]) -> str:
     """"" when every device fits, else the constraint that rules it out."""
     device_over = [l for l in loads if l.shortfall > 1e-9 * l.usable]
     host_over = [l for l in loads if l.host_shortfall > 0]
+    count = lambda rows: sum(l.count for l in rows)  # noqa: E731
     if not device_over and not host_over:
         return ""
     if device_over:
         worst = max(device_over, key=lambda l: (l.shortfall / l.usable,
                                                 -l.device.index))
         text = _needs_text(worst)
-        others = len(device_over) - 1
+        others = count(device_over) - 1
     else:
         worst = max(host_over, key=lambda l: (l.host_shortfall,
                                               -l.device.index))
         text = (f"device {worst.device.index} needs {gb(worst.host_bytes)} "
                 f"of host memory with {gb(worst.host_usable)} per device")
-        others = len(host_over) - 1
+        others = count(host_over) - 1
     if others:
         text += f" (and {others} more device{'s' if others > 1 else ''})"
     return text
@@ -1425,9 +1154,14 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
 # --------------------------------------------------------------------------
 
 def _as_model(model: Any, amp_dtype: Any = None) -> ModelSpec:
-    """`model` itself, or the ModelSpec of a graph or TrainingView."""
+    """`model` itself, or the ModelSpec of a graph or TrainingView.
+
+    Only a graph needs TensorFlow, so `graph_model` (which imports it) is
+    imported here, on that path, and a ModelSpec is planned without it.
+    """
     if isinstance(model, ModelSpec):
         return model
+    from epl.planner.graph_model import model_from_graph
     if hasattr(model, "taskgraph_of") and hasattr(model, "graph"):
         return model_from_graph(model.graph, view=model, amp_dtype=amp_dtype)
     return model_from_graph(model, amp_dtype=amp_dtype)
@@ -1479,7 +1213,7 @@ def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
             or global_batch < 1:
         raise ConfigError(f"the global batch must be a positive int, got "
                           f"{global_batch!r}")
-    return _Context(model=model, devices=cluster_devices(hosts),
+    return _Context(model=model, devices=DeviceLayout(hosts),
                     optimizer=optimizer,
                     slots=cm.optimizer_slots(optimizer),
                     global_batch=global_batch, options=options,
@@ -1605,7 +1339,8 @@ def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
 
 def _more_devices(ctx: _Context) -> str:
     """"k times the devices would fit" when some small multiple does."""
-    hosts = _hosts_of(ctx.devices)
+    hosts = list(ctx.devices.hosts) if isinstance(ctx.devices, DeviceLayout) \
+        else _hosts_of(ctx.devices)
     for times in (2, 4, 8, 16, 32, 64):
         if len(ctx.devices) * times > 65536:
             break
@@ -1613,7 +1348,7 @@ def _more_devices(ctx: _Context) -> str:
         units = ctx.model.split_units
         if units and units < len(ctx.devices) * times:
             break
-        if _fits_with(ctx, devices=cluster_devices(trial)):
+        if _fits_with(ctx, devices=DeviceLayout(trial)):
             return (f"more devices: {times}x this cluster "
                     f"({len(ctx.devices) * times} devices) fits, with ZeRO "
                     f"and split layers sharded further and the same global "
@@ -1703,10 +1438,26 @@ def _flops_text(flops: float) -> str:
     return f"{flops:.3g} FLOP"
 
 
-def _num(value: float) -> str:
-    """GB figure for the table (binary GB, one decimal; "<0.1" for tiny)."""
-    g = value / GiB
-    return "0" if value == 0 else ("<0.1" if g < 0.05 else f"{g:.1f}")
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the binary unit that suits the value: "0", "512 B",
+    "3.2 KiB", "419.3 MiB", "30.4 GiB", "1.5 TiB" (one decimal, the
+    figure below 1024 of its unit)."""
+    if nbytes <= 0:
+        return "0"
+    value, unit = float(nbytes), 0
+    while value >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{value:.0f} B"
+    if round(value, 1) >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{value:.1f} {_BINARY_UNITS[unit]}"
+
+
+_num = size_text
 
 
 def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
@@ -1717,13 +1468,14 @@ def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
     header = ["devices", "hosts", "profile", "batch"]
     header += ["shards"] if split else []
     header += ["stage", "layers"] if pipeline else []
-    header += ["params", "grads", "optim", "activ", "total/usable GB"]
-    header += ["host GB"] if offload else []
+    header += ["params", "grads", "optim", "activ", "total/usable"]
+    header += ["host/usable"] if offload else []
     header += ["compute ms", "comm ms"]
-    wait = any(load.wait_s for load in alt.loads)
+    wait = any(load.wait_s for load in alt.rows)
     header += ["wait ms"] if wait else []
-    rows: dict[tuple, list[ClusterDevice]] = {}
-    for load in alt.loads:
+    header += ["count"]
+    rows: dict[tuple, list[tuple[int, int]]] = {}
+    for load in alt.rows:
         row = [load.device.profile.name, str(load.batch)]
         row += [str(load.shards)] if split else []
         if pipeline:
@@ -1731,17 +1483,19 @@ def _table(plan: ClusterPlan, alt: Alternative) -> list[str]:
             row += [str(load.stage), f"{a}-{b - 1}"]
         row += [_num(load.parameters), _num(load.gradients),
                 _num(load.optimizer), _num(load.activations),
-                f"{load.total / GiB:.1f}/{load.usable / GiB:.1f}"]
-        row += [f"{_num(load.host_bytes)}/{load.host_usable / GiB:.0f}"] \
+                f"{_num(load.total)}/{_num(load.usable)}"]
+        row += [f"{_num(load.host_bytes)}/{_num(load.host_usable)}"] \
             if offload else []
         row += [_ms(load.compute_s), _ms(load.comm_s)]
         row += [_ms(load.wait_s)] if wait else []
-        rows.setdefault(tuple(row), []).append(load.device)
+        rows.setdefault(tuple(row), []).extend(load.device_runs)
+    layout = alt.layout if alt.layout is not None else \
+        DeviceLayout(plan.hosts)
     body = []
-    for row, devices in rows.items():
-        body.append([index_ranges([d.index for d in devices]),
-                     index_ranges(sorted({d.host for d in devices})),
-                     *row])
+    for row, runs in rows.items():
+        runs = merge_runs(runs)
+        body.append([runs_text(runs), runs_text(layout.host_runs(runs)),
+                     *row, str(runs_count(runs))])
     return _columns([header] + body)
 
 
@@ -1754,7 +1508,7 @@ def _columns(rows: list[list[str]]) -> list[str]:
 
 def _cluster_line(plan: ClusterPlan) -> str:
     """"Cluster: 2 hosts, 8 devices (...); slowest link ..."."""
-    devices = cluster_devices(plan.hosts)
+    layout = DeviceLayout(plan.hosts)
     groups: list[list] = []
     for h, host in enumerate(plan.hosts):
         if groups and groups[-1][1] == host.profile.name and \
@@ -1764,10 +1518,23 @@ def _cluster_line(plan: ClusterPlan) -> str:
             groups.append([[h], host.profile.name, host.devices])
     parts = [f"host{'s' if len(hs) > 1 else ''} {index_ranges(hs)}: "
              f"{count} x {name}" for hs, name, count in groups]
-    bandwidth, kind = _slowest_link(devices)
-    return (f"Cluster: {len(plan.hosts)} host(s), {len(devices)} devices "
+    bandwidth, kind = _slowest_link([c.representative for c in layout.classes]
+                                    ) if len(plan.hosts) == 1 else \
+        _cluster_link(layout)
+    return (f"Cluster: {len(plan.hosts)} host(s), {len(layout)} devices "
             f"({'; '.join(parts)}); slowest link {bandwidth / 1e9:.1f} GB/s "
             f"({kind})")
+
+
+def _cluster_link(layout: DeviceLayout) -> tuple[float, str]:
+    """`_slowest_link` of every device of a cluster of several hosts, from
+    its device classes."""
+    network = min(c.network.bandwidth for c in layout.classes)
+    intra = [c.profile.intra_node_bandwidth for c in layout.classes
+             if c.per_host > 1]
+    if intra and min(intra) < network:
+        return min(intra), "intra-node"
+    return network, "inter-node"
 
 
 def _network_line(plan: ClusterPlan) -> str:
@@ -1792,8 +1559,7 @@ def _model_line(plan: ClusterPlan) -> str:
         f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
     split = f", {m.split_units} experts per split layer" if m.split_units \
         else ""
-    size = gb(m.parameter_bytes) if m.parameter_bytes < 1024 * GiB else \
-        f"{m.parameter_bytes / GiB / 1024:.1f} TB"
+    size = size_text(m.parameter_bytes)
     return (f"Model: {m.name}: {len(m.layers)} layer(s), {count} parameters "
             f"({size}){split}; "
             f"{_flops_text(m.flops_per_example)} per example (forward + "
@@ -1811,6 +1577,11 @@ def _alternative_line(plan: ClusterPlan, alt: Alternative) -> str:
     elif alt.feasible:
         ratio = alt.step_time / plan.chosen.step_time
         verdict = f"fits, not chosen: {ratio:.2f}x the chosen step time"
+        if alt.step_time < plan.chosen.step_time:
+            verdict += (f" (within the {CHOICE_TOLERANCE:.0%} simplicity "
+                        f"margin: a plan listed earlier is chosen unless "
+                        f"a later one is more than {CHOICE_TOLERANCE:.0%} "
+                        f"faster)")
     else:
         verdict = f"rejected: {alt.reason}"
     time = f"{_ms(alt.step_time)} ms" if alt.feasible else "-"
@@ -1822,7 +1593,7 @@ def _explain(plan: ClusterPlan) -> str:
     chosen = plan.chosen
     lines = [_model_line(plan), _cluster_line(plan), _network_line(plan),
              ""]
-    slowest = max(chosen.loads, key=lambda load: load.step_s)
+    slowest = max(chosen.rows, key=lambda load: load.step_s)
     wait = f", waiting {_ms(slowest.wait_s)} ms" if slowest.wait_s else ""
     lines.append(f"Chosen plan: {chosen.name}: predicted step "
                  f"{_ms(chosen.step_time)} ms (slowest device: compute "
@@ -1841,7 +1612,7 @@ def _explain(plan: ClusterPlan) -> str:
     if chosen.pipeline_stages > 1:
         notes.append("pipeline: the activations sent between stages are "
                      "not counted in communication")
-    if any(load.wait_s for load in chosen.loads):
+    if any(load.wait_s for load in chosen.rows):
         notes.append("wait: every split layer's all-to-all is a barrier, so "
                      "a device idles until the slowest device's replicated "
                      "work, and then its expert work, is done")
@@ -1852,7 +1623,10 @@ def _explain(plan: ClusterPlan) -> str:
                      "optimizer state; the optimizer update runs on the "
                      "host; comm includes host <-> device copies at "
                      f"{plan.options.host_link_bandwidth / 1e9:.0f} GB/s")
-    notes.append("GB are binary (GiB); usable = "
+    if plan.model.unknown_op_types:
+        notes.append("op types the cost model does not know (their bytes "
+                     "are counted, no FLOPs): " + unknown_op_text(plan.model))
+    notes.append("sizes in binary units (KiB, MiB, GiB); usable = "
                  f"{plan.options.usable_fraction:.0%} of device memory; "
                  f"compute at {plan.options.efficiency:.0%} of peak; "
                  "communication not overlapped with compute")
@@ -1861,17 +1635,17 @@ def _explain(plan: ClusterPlan) -> str:
     return "\n".join(lines)
 
 
+def unknown_op_text(model: ModelSpec) -> str:
+    """"Foo x3, Bar x1": the model's unknown op types with their counts."""
+    return ", ".join(f"{name} x{count}"
+                     for name, count in model.unknown_op_types)
+
+
 def _batch_summary(alt: Alternative) -> str:
     """Batch sizes as "86 x4, 42 x4" (runs of equal values)."""
-    sizes = alt.batch_sizes
-    runs: list[list[int]] = []
-    for size in sizes:
-        if runs and runs[-1][0] == size:
-            runs[-1][1] += 1
-        else:
-            runs.append([size, 1])
+    runs = alt.batch_runs
     return ", ".join(f"{s} x{c}" if c > 1 else str(s) for s, c in runs) + \
-        f" (sum {sum(sizes)})"
+        f" (sum {sum(s * c for s, c in runs)})"
 
 
 # --------------------------------------------------------------------------
@@ -2061,3 +1835,86 @@ def _gpu_profile(index: int, overrides: Mapping[str, Any]) -> DeviceProfile:
     return profiles_lib.detect_profile(f"/device:GPU:{index}",
                                        details.get("device_name", ""),
                                        overrides)
+
+
+#: Names that moved to `epl.planner.graph_model` (they need TensorFlow),
+#: still importable from here for existing callers.
+_GRAPH_NAMES = ("model_from_graph", "infer_optimizer")
+
+
+def __getattr__(name: str) -> Any:
+    """`model_from_graph` and `infer_optimizer`, from `graph_model`, on
+    first use (importing this module must not import TensorFlow)."""
+    if name in _GRAPH_NAMES:
+        from epl.planner import graph_model
+        return getattr(graph_model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _row_dict(layout: DeviceLayout, load: DeviceLoad) -> dict:
+    """One row of the JSON table."""
+    runs = merge_runs(load.device_runs)
+    row = {"devices": runs_text(runs),
+           "hosts": runs_text(layout.host_runs(runs)),
+           "count": runs_count(runs), "profile": load.device.profile.name,
+           "batch": load.batch, "shards": load.shards, "stage": load.stage,
+           "layers": list(load.layers) if load.layers else None,
+           "parameter_bytes": load.parameters,
+           "gradient_bytes": load.gradients,
+           "optimizer_bytes": load.optimizer,
+           "activation_bytes": load.activations,
+           "total_bytes": load.total, "usable_bytes": load.usable,
+           "compute_s": load.compute_s, "comm_s": load.comm_s,
+           "wait_s": load.wait_s, "step_s": load.step_s, "fits": load.fits}
+    if load.host_bytes or math.isfinite(load.host_usable):
+        row["host_bytes"] = load.host_bytes
+        row["host_usable_bytes"] = load.host_usable
+    return row
+
+
+def _plan_dict(plan: ClusterPlan) -> dict:
+    """ClusterPlan.as_dict()."""
+    layout = plan.chosen.layout if plan.chosen.layout is not None else \
+        DeviceLayout(plan.hosts)
+    m = plan.model
+    alternatives = []
+    for alt in plan.alternatives:
+        entry = {"name": alt.name, "feasible": alt.feasible,
+                 "step_time_s": alt.step_time if alt.feasible else None,
+                 "chosen": alt is plan.chosen}
+        if alt.feasible:
+            entry["ratio_to_chosen"] = alt.step_time / plan.chosen.step_time
+        else:
+            entry["rejected_because"] = alt.reason
+        alternatives.append(entry)
+    return {
+        "model": {"name": m.name, "layers": len(m.layers),
+                  "parameters": m.num_parameters,
+                  "parameter_bytes": m.parameter_bytes,
+                  "flops_per_example": m.flops_per_example,
+                  "split_units": m.split_units,
+                  "compute_dtype": plan.options.compute_dtype
+                  or m.compute_dtype, "exact": m.exact,
+                  "unknown_op_types": {name: count for name, count
+                                       in m.unknown_op_types},
+                  "notes": list(m.notes)},
+        "cluster": {"hosts": len(plan.hosts), "devices": len(layout),
+                    "groups": [{"devices": runs_text(c.runs),
+                                "hosts": runs_text(layout.host_runs(c.runs)),
+                                "count": c.count, "profile": c.profile.name,
+                                "devices_per_host": c.per_host,
+                                "network_bytes_per_s": c.network.bandwidth}
+                               for c in layout.classes]},
+        "optimizer": plan.optimizer, "global_batch": plan.global_batch,
+        "chosen": {"name": plan.chosen.name,
+                   "step_time_s": plan.chosen.step_time,
+                   "batch_sizes": [{"batch": size, "replicas": count}
+                                   for size, count in plan.chosen.batch_runs],
+                   "rows": [_row_dict(layout, row)
+                            for row in plan.chosen.rows]},
+        "choice_rule": {"simplicity_margin": CHOICE_TOLERANCE,
+                        "rule": "the earliest listed alternative that fits "
+                                "and is within the margin of the fastest "
+                                "one's step time"},
+        "alternatives": alternatives,
+    }
