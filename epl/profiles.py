@@ -347,11 +347,6 @@ def known_profiles() -> list[str]:
     return sorted(_TABLE) + [CPU_PROFILE_NAME]
 
 
-def known_aliases() -> dict[str, str]:
-    """Alias -> built-in profile name."""
-    return dict(_ALIASES)
-
-
 def _key(name: str) -> str:
     """Normalised lookup key: upper case, no punctuation, "32G" == "32GB"."""
     key = re.sub(r"[^A-Z0-9]", "", name.upper())

@@ -368,17 +368,6 @@ class Alternative:
             else math.inf
 
     @property
-    def compute_time(self) -> float:
-        """The slowest device's compute seconds."""
-        return max(load.compute_s for load in self.rows)
-
-    @property
-    def worst_shortfall(self) -> float:
-        """Largest bytes over capacity of any device (device or host)."""
-        return max((max(l.shortfall, l.host_shortfall) for l in self.rows),
-                   default=math.inf)
-
-    @property
     def batch_runs(self) -> list[tuple[int, int]]:
         """Per data-parallel replica batch sizes as (size, replicas) runs in
         device order (what `batch_sizes` lists one by one)."""
