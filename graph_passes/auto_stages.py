@@ -236,7 +236,8 @@ def _stage_time(costs: list[float], cuts: list[int], speeds: list[float] | None)
 
 
 def _preferred_cuts(costs: list[float], allowed: list[int], penalty: list[tuple],
-                    num_stages: int, speeds: list[float] | None, ceiling: float) -> list[int] | None:
+                    num_stages: int, speeds: list[float] | None,
+                    ceiling: float) -> list[int] | None:
     """K - 1 cut positions from `allowed` minimising the sum of penalty[p] over the
     cuts, every stage's time (cost / speed) at most `ceiling`; None if none fits."""
     speeds = speeds or [1.0] * num_stages
@@ -244,7 +245,6 @@ def _preferred_cuts(costs: list[float], allowed: list[int], penalty: list[tuple]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     n = len(costs)
-    zero = tuple(0 for _ in penalty[allowed[0]]) if allowed else ()
 
     def fits(start: int, end: int, stage: int) -> bool:  # ops start+1 .. end in `stage`
         return (prefix[end + 1] - prefix[start + 1]) / speeds[stage] <= ceiling
