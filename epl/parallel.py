@@ -81,7 +81,8 @@ def run_gradient_time_pipeline(graph: tf.Graph, loss: tf.Tensor) -> None:
         instruments.append(DumpInstrument(config.get("debug.dump_dir")))
     with graph.as_default(), internal_autodiff():
         PassManager(gradient_time_pipeline(), instruments).run(graph, ctx)
-    state.dumps_written = 1 + len(ctx.passes_run) if config.get("debug.dump_dir") else 0
+    passes = len(ctx.passes_run) + len(ctx.passes_off)
+    state.dumps_written = 1 + passes if config.get("debug.dump_dir") else 0
 
 
 def training_pipeline() -> list:
@@ -194,9 +195,11 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
-    """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
-    start = time.perf_counter()
+def pass_context(graph: tf.Graph, state, replica_weights: list[float] | None = None
+                 ) -> tuple[PassContext, list]:
+    """Analyse and plan `graph` (its GraphState `state`): the PassContext the training
+    passes run on, and the instruments the config asks for (timing, dumps, invariant
+    checks). Automatic stages (auto.auto_parallel) are cut here, before the analysis."""
     config = config_for(graph)   # the config the graph was built under (epl.env)
     cluster = local_cluster(config)
     profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
@@ -214,16 +217,33 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     if config.get("debug.check_invariants"):
         instruments.append(InvariantInstrument())
     communicator = make_communicator(cluster, config)
-    ctx = PassContext(config, plan, cluster, view, communicator)
+    return PassContext(config, plan, cluster, view, communicator), instruments
+
+
+def run_passes(graph: tf.Graph, ctx: PassContext, passes: list, instruments: list,
+               validate: bool = True) -> None:
+    """Run `passes` on `graph` (after the passes ctx ran or found off), building EPL's ops
+    at the top level of the graph, unfinalized meanwhile if it was finalized.
+    validate=False: the caller validated these passes (PassManager.validate) before
+    the graph was rewritten."""
     finalized = graph.finalized
     if finalized:
         graph._unsafe_unfinalize()
     try:
         with _clean_construction_context(graph):
-            PassManager(training_pipeline(), instruments).run(graph, ctx)
+            manager = PassManager(passes, instruments, after=ctx.passes_run + ctx.passes_off)
+            manager.run(graph, ctx, validate=validate)
     finally:
         if finalized:
             graph.finalize()
+
+
+def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
+    """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
+    start = time.perf_counter()
+    ctx, instruments = pass_context(graph, state, replica_weights)
+    config, cluster, plan, view = ctx.config, ctx.cluster, ctx.plan, ctx.view
+    run_passes(graph, ctx, training_pipeline(), instruments)
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
         check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
     replication = ctx.artifacts["replicate"]

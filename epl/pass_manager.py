@@ -1,7 +1,8 @@
 """Pass manager: runs graph passes in order, with instruments around each.
 
 A pass is a class with `name`, `requires` (passes that must have run before
-it) and `run(graph, ctx) -> PassResult`. Passes keep no state: what one pass
+it), `enabled(config)` (whether the config asks for it) and
+`run(graph, ctx) -> PassResult`. Passes keep no state: what one pass
 hands to the next goes into `ctx.artifacts` under the producing pass's name.
 The manager checks every pass's `requires` before running anything, runs the
 instruments before and after each pass (dump, timing, invariant checks), and
@@ -46,13 +47,24 @@ class PassContext:
     artifacts: dict = dataclasses.field(default_factory=dict)
     timings: dict = dataclasses.field(default_factory=dict)
     passes_run: list = dataclasses.field(default_factory=list)
+    passes_off: list = dataclasses.field(default_factory=list)  # not enabled by the config
 
 
 class GraphPass(abc.ABC):
-    """A graph rewrite. Subclasses set `name` and `requires` and implement run()."""
+    """A graph rewrite. Subclasses set `name` and `requires` and implement run().
+
+    `enabled(config)` says whether the config asks for this pass at all (ZeRO,
+    AMP, offload, apply groups are opt-in); the manager runs neither `validate`
+    nor `run` of a pass that is not enabled, and records `off_note` for it.
+    """
 
     name: str = ""
     requires: tuple[str, ...] = ()
+    off_note: str = "not enabled by the config"
+
+    def enabled(self, config: Any) -> bool:
+        """True if `config` asks for this pass (default: always)."""
+        return True
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
         """Raise an EPLError if this pass cannot run on `graph` (changes nothing).
@@ -103,10 +115,12 @@ class DumpInstrument(Instrument):
                         {"duration_s": 0.0, "passes_before": []}, ctx)
 
     def after(self, graph_pass, graph, ctx, result, duration_s):
+        ran = graph_pass.name not in ctx.passes_off  # a pass that ran is the last of passes_run
         summary = {"duration_s": duration_s, "added": result.added, "removed": result.removed,
                    "op_map": result.op_map, "notes": result.notes,
-                   "passes_before": list(ctx.passes_run[:-1])}
-        self._write(self.first_index + len(ctx.passes_run), graph_pass.name, graph, summary, ctx)
+                   "passes_before": list(ctx.passes_run[:-1] if ran else ctx.passes_run)}
+        index = self.first_index + len(ctx.passes_run) + len(ctx.passes_off)
+        self._write(index, graph_pass.name, graph, summary, ctx)
 
     def _write(self, index, name, graph, summary, ctx=None):
         cluster = getattr(ctx, "cluster", None)
@@ -167,13 +181,16 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
 class PassManager:
     """Runs an explicit list of passes over one graph."""
 
-    def __init__(self, passes: list[GraphPass], instruments: list[Instrument] | None = None):
+    def __init__(self, passes: list[GraphPass], instruments: list[Instrument] | None = None,
+                 after: tuple[str, ...] | list[str] = ()):
+        """passes: run in this order. after: names of passes that already ran on the
+        context this manager will be given (a pass test runs a pipeline's prefix, then
+        the pass under test alone); they count for `requires`."""
         self.passes = list(passes)
         self.instruments = list(instruments or [])
-        self._check_requires()
+        self._check_requires(list(after))
 
-    def _check_requires(self) -> None:
-        seen: list[str] = []
+    def _check_requires(self, seen: list[str]) -> None:
         for graph_pass in self.passes:
             missing = [r for r in graph_pass.requires if r not in seen]
             if missing:
@@ -182,19 +199,35 @@ class PassManager:
                     f"is {[p.name for p in self.passes]}. Reorder the pass list.")
             seen.append(graph_pass.name)
 
-    def run(self, graph: tf.Graph, ctx: PassContext) -> PassContext:
-        """Validate every pass, then run them in order; return the context."""
+    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+        """Validate every enabled pass on `graph` before any of them rewrites it."""
         for graph_pass in self.passes:
+            if not graph_pass.enabled(ctx.config):
+                continue
             try:
                 graph_pass.validate(graph, ctx)
             except EPLError as err:
                 raise PassError(f"pass {graph_pass.name!r} rejected the graph before any "
                                 f"rewrite: {err}") from err
+
+    def run(self, graph: tf.Graph, ctx: PassContext, validate: bool = True) -> PassContext:
+        """Validate every pass (unless `validate` is False: the caller validated the
+        whole pipeline before running its first part), then run them in order; return
+        the context."""
+        if validate:
+            self.validate(graph, ctx)
+        enabled = {graph_pass.name: graph_pass.enabled(ctx.config) for graph_pass in self.passes}
         for instrument in self.instruments:
             instrument.before(None, graph, ctx)
         for graph_pass in self.passes:
             for instrument in self.instruments:
                 instrument.before(graph_pass, graph, ctx)
+            if not enabled[graph_pass.name]:
+                ctx.passes_off.append(graph_pass.name)
+                off = PassResult(notes=[graph_pass.off_note])
+                for instrument in self.instruments:
+                    instrument.after(graph_pass, graph, ctx, off, 0.0)
+                continue
             first_new = len(graph.get_operations())
             start = time.perf_counter()
             try:

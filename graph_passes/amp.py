@@ -129,10 +129,14 @@ class AmpPass(GraphPass):
                 f"({refs[0].type}). Create variables with use_resource=True (or call "
                 "tf.compat.v1.enable_resource_variables()), or set a fixed amp.loss_scale.")
 
+    off_note = "amp.level is off"
+
+    def enabled(self, config) -> bool:
+        """amp.level is set."""
+        return bool(config.get("amp.level"))
+
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         config, view = ctx.config, ctx.view
-        if not config.get("amp.level"):
-            return PassResult(notes=["amp.level is off"])
         dtype = tf.as_dtype(config.get("amp.dtype"))
         converted, fallbacks = {}, []
         replacement: dict = {}  # template op -> ops standing in for it (creation order)

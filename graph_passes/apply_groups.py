@@ -65,10 +65,14 @@ class ApplyGroupsPass(GraphPass):
     name = "apply_groups"
     requires = ("gradient_comm",)
 
+    off_note = "optimizer.num_apply_group is 1: nothing to do"
+
+    def enabled(self, config) -> bool:
+        """optimizer.num_apply_group is above 1."""
+        return int(config.get("optimizer.num_apply_group")) > 1
+
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         groups = int(ctx.config.get("optimizer.num_apply_group"))
-        if groups <= 1:
-            return PassResult(notes=["optimizer.num_apply_group is 1: nothing to do"])
         edges = 0
         for replica_groups in update_groups(graph, groups, ctx.view.train_ops).values():
             for earlier, later in zip(replica_groups, replica_groups[1:]):

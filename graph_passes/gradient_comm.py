@@ -111,7 +111,7 @@ class GradientCommPass(GraphPass):
     """All-reduces the gradients over replicas (fused) and rewires the updates."""
 
     name = "gradient_comm"
-    requires = ("replicate",)
+    requires = ("replicate", "zero")  # skips the gradients ZeRO reduce-scattered itself
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         replication = ctx.artifacts["replicate"]

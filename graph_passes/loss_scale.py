@@ -61,6 +61,12 @@ class LossScalePass(GraphPass):
     name = "loss_scale"
     requires = ("amp", "replicate", "gradient_comm")
 
+    off_note = "no loss scaling (amp.level is off)"
+
+    def enabled(self, config) -> bool:
+        """Loss scaling belongs to AMP: amp.level is set."""
+        return bool(config.get("amp.level"))
+
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         amp = ctx.artifacts.get("amp")
         if amp is None or amp.scale is None:

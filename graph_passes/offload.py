@@ -45,11 +45,15 @@ class OffloadPass(GraphPass):
     """Places the step's variables and the ops on their handles on the host device."""
 
     name = "offload"
-    requires = ("replicate",)
+    requires = ("replicate", "zero", "loss_scale")  # moves what those built
+
+    off_note = "offload.level is off"
+
+    def enabled(self, config) -> bool:
+        """offload.level is "v0"."""
+        return config.get("offload.level") == "v0"
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        if ctx.config.get("offload.level") != "v0":
-            return PassResult(notes=["offload.level is off"])
         host = ctx.cluster.host_device
         variables = {op for op in ancestors(ctx.view.train_ops) if op.type in VARIABLE_OP_TYPES}
         while True:  # an op taking two handles needs both on one device (even if never run)

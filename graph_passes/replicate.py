@@ -101,7 +101,7 @@ class ReplicatePass(GraphPass):
     """Copies the model once per (replica, micro-batch) and gives each its batch."""
 
     name = "replicate"
-    requires = ("annotate",)
+    requires = ("annotate", "amp")  # copies AMP's casts; reads whether it ran
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
         view, plan, config = ctx.view, ctx.plan, ctx.config

@@ -193,7 +193,7 @@ class VerifyPass(GraphPass):
     """Checks all invariants on the final graph."""
 
     name = "verify"
-    requires = ("annotate",)
+    requires = ("replicate", "gradient_comm")  # checks their results
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         preds = predecessors(graph)

@@ -197,13 +197,17 @@ class ZeroPass(GraphPass):
     name = "zero"
     requires = ("replicate",)
 
+    off_note = "zero.level is off"
+
+    def enabled(self, config) -> bool:
+        """zero.level is set."""
+        return bool(config.get("zero.level"))
+
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
-        if ctx.config.get("zero.level"):  # run() reuses the analysis of the template
-            ctx.artifacts["zero_entries"] = _check(ctx.view, ctx.config)
+        # run() reuses this analysis of the template
+        ctx.artifacts["zero_entries"] = _check(ctx.view, ctx.config)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        if not ctx.config.get("zero.level"):
-            return PassResult(notes=["zero.level is off"])
         replication = ctx.artifacts["replicate"]
         comm = ctx.communicator
         replicas, workers = ctx.plan.num_replicas, comm.num_workers

@@ -1,0 +1,173 @@
+"""Golden structural tests: each pass run alone on a small graph (as TVM's pass tests do).
+
+For every pass of the two pipelines (epl/parallel.py) a small model written the way
+TF1 code is (a static-batch placeholder, tf.compat.v1.layers.dense, Adam) is
+analysed and planned (`parallel.pass_context`), the passes before the pass under
+test run, and then that pass runs alone (`parallel.run_passes`). The test compares
+what it added to the graph, counted by op type, with the golden table below, and
+checks what it must have changed. A change of a pass's output changes its row:
+update the table only after reading the new dump (`epl-dump`) and deciding the new
+graph is the intended one.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import tensorflow as tf
+
+import epl
+from epl import parallel
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
+from epl.ir.autodiff import internal_autodiff
+from epl.ir.taskgraph import graph_state
+from epl.pass_manager import PassManager
+
+BATCH, FEATURES, HIDDEN, CLASSES = 8, 6, 16, 4
+
+# pass -> (config, model options)
+CASES = {
+    "annotate": ({"cluster.virtual_devices": 2}, {}),
+    "amp": ({"cluster.virtual_devices": 2, "amp.level": "O1", "amp.loss_scale": 128.0}, {}),
+    "replicate": ({"cluster.virtual_devices": 2}, {}),
+    "schedule": ({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
+                 {"stages": True}),
+    "zero": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, {}),
+    "gradient_comm": ({"cluster.virtual_devices": 2, "communication.max_splits": 0}, {}),
+    "apply_groups": ({"cluster.virtual_devices": 2, "optimizer.num_apply_group": 2}, {}),
+    "loss_scale": ({"cluster.virtual_devices": 2, "amp.level": "O1",
+                    "amp.loss_scale": "dynamic"}, {}),
+    "offload": ({"cluster.virtual_devices": 2, "offload.level": "v0"}, {}),
+    "verify": ({"cluster.virtual_devices": 2}, {}),
+}
+
+# pass -> (op types it adds, with their counts; how many existing ops it changes:
+# retagged, re-placed, rewired or given control edges). Two replicas of the MLP
+# (hidden 6x16, logits 16x4, Adam), the pipeline case with two stages.
+GOLDEN: dict[str, tuple[dict[str, int], int]] = {
+    "annotate": ({}, 167),   # tags every op with its TaskGraph and phase
+    "amp": ({"Cast": 6, "Const": 1, "MatMul": 2}, 2),
+    "replicate": ({"AddN": 1, "AssignAddVariableOp": 1, "AssignVariableOp": 17, "BiasAdd": 4,
+                   "BiasAddGrad": 4, "Const": 23, "ExpandDims": 2, "Fill": 2, "Identity": 14,
+                   "MatMul": 12, "Mean": 2, "Mul": 6, "NoOp": 24, "Placeholder": 2,
+                   "ReadVariableOp": 33, "RealDiv": 2, "Relu": 2, "ReluGrad": 2, "Reshape": 2,
+                   "ResourceApplyAdam": 4, "SparseSoftmaxCrossEntropyWithLogits": 2, "Split": 2,
+                   "Tile": 2, "VarHandleOp": 15}, 167),
+    "schedule": ({"NoOp": 6}, 36),   # barriers of the two micro-batches' schedule
+    "zero": ({"AssignVariableOp": 40, "CollectiveGather": 24, "CollectiveReduce": 8,
+              "Const": 152, "Mul": 8, "NoOp": 24, "ReadVariableOp": 40, "Reshape": 40,
+              "ResourceApplyAdam": 8, "Split": 8, "StridedSlice": 32, "VarHandleOp": 28}, 44),
+    "gradient_comm": ({"CollectiveReduce": 2, "ConcatV2": 2, "Const": 12, "Reshape": 8,
+                       "SplitV": 2}, 8),
+    "apply_groups": ({}, 6),   # control edges between the update groups
+    "loss_scale": ({"AddN": 2, "AddV2": 1, "AssignVariableOp": 2, "Cast": 8,
+                    "CollectiveReduce": 2, "Const": 17, "Equal": 2, "GreaterEqual": 1,
+                    "Identity": 13, "If": 12, "IsFinite": 8, "LogicalAnd": 1, "LogicalNot": 9,
+                    "Maximum": 1, "Mul": 10, "NoOp": 1, "ReadVariableOp": 3, "RealDiv": 1,
+                    "SelectV2": 3, "Sum": 8}, 15),
+    "offload": ({}, 51),   # variables and the ops on their handles moved to the host
+    "verify": ({}, 0),     # checks only
+}
+
+
+def _build(stages: bool = False) -> tf.Tensor:
+    """An MLP classifier (one or two pipeline stages) with Adam; returns the loss."""
+    features = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES], name="features")
+    labels = tf.compat.v1.placeholder(tf.int32, [BATCH], name="labels")
+    first = epl.replicate(device_count=1, name="stage_0") if stages else epl.replicate(1)
+    with first:
+        hidden = tf.compat.v1.layers.dense(features, HIDDEN, activation=tf.nn.relu,
+                                           name="hidden")
+    second = epl.replicate(device_count=1, name="stage_1") if stages else first
+    with second:
+        logits = tf.compat.v1.layers.dense(hidden, CLASSES, name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits))
+    tf.compat.v1.train.AdamOptimizer(0.01).minimize(
+        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    return loss
+
+
+def run_alone(epl_env, name: str):
+    """(graph, ops the pass added, ops it changed, the context) for pass `name`."""
+    config, options = CASES[name]
+    epl_env(config)
+    graph = tf.Graph()
+    with graph.as_default():
+        _build(**options)
+        ctx, instruments = parallel.pass_context(graph, graph_state(graph))
+        passes = parallel.training_pipeline()
+        index = [p.name for p in passes].index(name)
+        with internal_autodiff():
+            # every pass validates the graph as the user built it, as in parallelize()
+            PassManager(passes).validate(graph, ctx)
+            parallel.run_passes(graph, ctx, passes[:index], instruments, validate=False)
+            before = {op: op.node_def.SerializeToString() for op in graph.get_operations()}
+            parallel.run_passes(graph, ctx, [passes[index]], instruments, validate=False)
+    added = [op for op in graph.get_operations() if op not in before]
+    changed = [op for op, node in before.items() if op.node_def.SerializeToString() != node]
+    return graph, added, changed, ctx
+
+
+def _counts(ops) -> dict[str, int]:
+    return dict(sorted(collections.Counter(op.type for op in ops).items()))
+
+
+def test_every_pass_has_a_case():
+    """Each training pass has its golden case (a new pass needs one)."""
+    assert [p.name for p in parallel.training_pipeline()] == list(CASES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pass_alone_adds_its_golden_ops(epl_env, name):
+    graph, added, changed, ctx = run_alone(epl_env, name)
+    assert ctx.passes_run[-1] == name, "the pass is enabled by its case's config"
+    assert (_counts(added), len(changed)) == GOLDEN[name]
+    for op in added:   # EPL's ops are tagged and placed like every other op
+        assert TASKGRAPH_ATTR in op.node_def.attr and PHASE_ATTR in op.node_def.attr
+        assert op.device, op.name
+
+
+def test_a_pass_that_is_off_changes_nothing(epl_env):
+    """zero.level off: the zero pass is not enabled; it neither validates nor runs, and
+    its dump entry says why (its `off_note`)."""
+    epl_env({"cluster.virtual_devices": 2})
+    graph = tf.Graph()
+    with graph.as_default():
+        _build()
+        ctx, instruments = parallel.pass_context(graph, graph_state(graph))
+        with internal_autodiff():
+            parallel.run_passes(graph, ctx, parallel.training_pipeline(), instruments)
+    assert ctx.passes_off == ["amp", "zero", "apply_groups", "loss_scale", "offload"]
+    assert "zero" not in ctx.passes_run and "zero" not in ctx.artifacts
+
+
+def test_split_pass_alone_shards_the_layer(epl_env):
+    """The gradient-time pipeline (the split pass) on a column-split dense layer over two
+    devices, run directly on the forward graph: per-device copies of the layer's ops and
+    its variable as two shards."""
+    epl_env({"cluster.virtual_devices": 2})
+    graph = tf.Graph()
+    with graph.as_default():
+        features = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES])
+        labels = tf.compat.v1.placeholder(tf.int32, [BATCH])
+        with epl.split(device_count=2):
+            logits = tf.compat.v1.layers.dense(features, CLASSES, use_bias=False, name="cls")
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=labels, logits=logits))
+        before = set(graph.get_operations())
+        parallel.run_gradient_time_pipeline(graph, loss)
+    added = [op for op in graph.get_operations() if op not in before]
+    assert _counts(added) == SPLIT_GOLDEN
+    assert {op.device for op in added if op.type == "MatMul"} == {"/device:CPU:0",
+                                                                 "/device:CPU:1"}
+    assert [record.taskgraph for record in graph_state(graph).splits]
+
+
+# Vocab-parallel logits: each device's matmul, the distributed softmax cross entropy
+# (max, sum of exponentials and the label's logit exchanged between shards), two shards.
+SPLIT_GOLDEN: dict[str, int] = {
+    "AddN": 2, "AddV2": 1, "AssignVariableOp": 2, "Cast": 2, "ConcatV2": 1, "Const": 26,
+    "Exp": 2, "Log": 1, "MatMul": 2, "Max": 3, "Mul": 2, "NoOp": 3, "OneHot": 2, "Pack": 1,
+    "ReadVariableOp": 6, "Slice": 2, "StopGradient": 1, "StridedSlice": 2, "Sub": 5, "Sum": 4,
+    "VarHandleOp": 2, "VarIsInitializedOp": 2}
