@@ -183,11 +183,10 @@ class GradientCommPass(GraphPass):
         with tf.device(grads[0].values.device), tf.name_scope("EPL_SPARSE"):
             all_values = tf.concat(values, axis=0)  # TensorFlow copies the other replicas' rows
             all_indices = tf.concat(indices, axis=0)
-            if communicator.cross is not None:
-                all_values = communicator.cross.all_gather(
-                    all_values, label=f"the gradient values of {name}")
-                all_indices = communicator.cross.all_gather(
-                    all_indices, label=f"the gradient indices of {name}")
+            all_values = communicator.workers_all_gather(
+                all_values, label=f"the gradient values of {name}")
+            all_indices = communicator.workers_all_gather(
+                all_indices, label=f"the gradient indices of {name}")
         _rewire_sparse(original, all_values, all_indices)
 
 

@@ -205,7 +205,7 @@ class ReplicatePass(GraphPass):
         view, plan, micro = ctx.view, ctx.plan, setup.micro
         replicas, mirrors, unit_inputs = plan.num_replicas, setup.mirrors, setup.inputs
         forward_copies, gradients = built.forward_copies, built.gradients
-        cross = ctx.communicator.cross
+        workers = ctx.communicator.num_workers
         split_vars = set(view.split_variables)
         replica_maps = [dict(forward_copies[(k, 0)]) for k in range(replicas)]
         # the update copies of replicas k > 0 (made before the originals are rewired)
@@ -215,7 +215,7 @@ class ReplicatePass(GraphPass):
                                         mirrors, replica_maps[k], gradients[k], micro, batch)
                    for k in range(1, replicas)}
         local_sync = write_local_sync(mirrors, batch) \
-            if cross is None and not view.split_ops else None
+            if workers == 1 and not view.split_ops else None
         created = batch.commit()
         for k, copier in copiers.items():
             replica_maps[k].update(copier.result(created))
@@ -233,12 +233,12 @@ class ReplicatePass(GraphPass):
         spanning = split_connection.spanning_groups(graph)
         local_split = [v for v in view.split_variables
                        if view.taskgraph_of[v].name not in spanning]
-        if view.split_ops and cross is not None:
+        if view.split_ops and workers > 1:
             # split groups within a worker are data-parallel across workers
-            split_connection.reduce_split_gradients_over_workers(view, gradients[0], cross,
-                                                                 set(local_split))
-            merged.update(merge_split_losses(view, units, unit_inputs.replica_weights, cross,
-                                             spanning))
+            split_connection.reduce_split_gradients_over_workers(
+                view, gradients[0], ctx.communicator, set(local_split))
+            merged.update(merge_split_losses(view, units, unit_inputs.replica_weights,
+                                             ctx.communicator, spanning))
         if local_sync is not None:
             syncs = {var: created[name] for var, name in local_sync.items()}
         else:  # every worker holds the same shards of a group within a worker: broadcast

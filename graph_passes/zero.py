@@ -218,7 +218,7 @@ class ZeroPass(GraphPass):
                 "zero.level %r: one data-parallel replica in all, nothing to shard.",
                 ctx.config.get("zero.level"))
             return PassResult(notes=["one data-parallel replica: nothing to shard"])
-        rank = comm.cross.rank if comm.cross is not None else 0
+        rank = comm.worker_rank
         entries = ctx.artifacts.get("zero_entries") or _check(ctx.view, ctx.config)
         split_vars = set(ctx.view.split_variables)   # already sharded by epl.split: left alone
         entries = [entry for entry in entries if entry[1] not in split_vars]
@@ -326,8 +326,8 @@ class ZeroPass(GraphPass):
             with _TagNewOps(graph, slot, 0), tf.device(host):
                 value = _read(slot, dtype)
                 assigns = []
-                if comm.cross is not None:  # every worker starts from worker 0's state
-                    value = comm.cross.broadcast(value, 0)
+                if comm.num_workers > 1:  # every worker starts from worker 0's state
+                    value = comm.workers_broadcast(value, 0)
                     assigns.append(tf.raw_ops.AssignVariableOp(resource=slot.outputs[0], value=value))
                 flat = tf.reshape(value, [-1])
                 if size * replicas * workers > n:

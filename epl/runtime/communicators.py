@@ -193,6 +193,35 @@ class HierarchicalCommunicator(Communicator):
         """How many workers take part."""
         return self.cross.size if self.cross is not None else 1
 
+    @property
+    def worker_rank(self) -> int:
+        """This worker's rank among them (0 with one worker)."""
+        return self.cross.rank if self.cross is not None else 0
+
+    # Worker-level collectives: one tensor per worker, on the device it is on (the
+    # passes call these, never the Horovod communicator itself). With one worker
+    # each returns its input.
+
+    def workers_all_reduce(self, tensor: tf.Tensor, op: str = "sum",
+                           label: str | None = None) -> tf.Tensor:
+        """`tensor` reduced (op "sum" or "mean") over every worker's tensor."""
+        if self.cross is None:
+            return tensor
+        return self.cross.all_reduce(tensor, op, label=label)
+
+    def workers_all_gather(self, tensor: tf.Tensor, label: str | None = None) -> tf.Tensor:
+        """Every worker's `tensor` concatenated along axis 0, in rank order."""
+        if self.cross is None:
+            return tensor
+        return self.cross.all_gather(tensor, label=label)
+
+    def workers_broadcast(self, tensor: tf.Tensor, root: int = 0,
+                          label: str | None = None) -> tf.Tensor:
+        """Worker `root`'s `tensor`, on every worker."""
+        if self.cross is None:
+            return tensor
+        return self.cross.broadcast(tensor, root, label=label)
+
     def all_reduce(self, tensors, devices, op="sum", label=None, fragment=None):
         """As Communicator.all_reduce; `label` (and its op-name `fragment`): what the
         tensors carry, for the cross-worker collective (epl.runtime.horovod_comm)."""

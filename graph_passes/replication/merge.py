@@ -63,18 +63,16 @@ def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator,
            label: str | None = None) -> tf.Tensor:
     """Merge per-replica values; across workers too (every worker must fetch it).
     label: the merged tensor's name (it names the cross-worker collective)."""
-    cross = communicator.cross
     if kind == "concat":
-        local = tf.concat(parts, axis=0)
-        return cross.all_gather(local, label=label) if cross is not None else local
+        return communicator.workers_all_gather(tf.concat(parts, axis=0), label=label)
     if kind == "sum":
         local = tf.add_n(parts)
     else:  # weights are shares of the global batch, so the sum over workers is the mean
         local = tf.add_n([tf.cast(w, p.dtype) * p for w, p in zip(weights, parts)])
-    return cross.all_reduce(local, "sum", label=label) if cross is not None else local
+    return communicator.workers_all_reduce(local, "sum", label=label)
 
 
-def merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
+def merge_split_losses(view, units, weights, communicator, spanning: set) -> dict:
     """A loss computed by a split group within a worker covers this worker's
     batch: the fetched value is the mean over every worker's batch (each
     weighted by its share). A group over every worker computed the global
@@ -86,5 +84,6 @@ def merge_split_losses(view, units, weights, cross, spanning: set) -> dict:
                 continue
             with tf.device(loss.device):
                 share = tf.add_n([tf.cast(w, loss.dtype) for w in weights])
-                merged[loss] = cross.all_reduce(share * loss, "sum", label=loss.name)
+                merged[loss] = communicator.workers_all_reduce(share * loss, "sum",
+                                                               label=loss.name)
     return merged

@@ -44,14 +44,13 @@ def sync_ops(mirrors, communicator) -> dict:
     the original too, so workers that initialized with different random
     seeds start identical.
     """
-    cross = communicator.cross
-    if cross is None:
+    if communicator.num_workers == 1:
         return local_sync_ops(mirrors)
     sync = {}
     with tf.name_scope("EPL_SYNC"):
         for var, copies in mirrors.items():
             with tf.device(var.device):
-                value = cross.broadcast(_read(var), 0, label=var.name)
+                value = communicator.workers_broadcast(_read(var), 0, label=var.name)
                 assigns = [_assign(var, value)]
             for copy in copies[1:]:
                 with tf.device(copy.device):

@@ -122,7 +122,7 @@ def global_gradients(view, plan, step, forward_copies, weights, mirrors,
     return per_replica, backward
 
 
-def reduce_split_gradients_over_workers(view, gradients, cross, split_vars: set) -> None:
+def reduce_split_gradients_over_workers(view, gradients, communicator, split_vars: set) -> None:
     """Every worker holds all shards of a split group within a worker: sum
     each shard's gradient (of `split_vars`) over the workers (it is already
     weighted by the worker's batch share) and make its update read the sum;
@@ -134,11 +134,11 @@ def reduce_split_gradients_over_workers(view, gradients, cross, split_vars: set)
             readers = view.split_apply_ops
             if isinstance(grad, tf.IndexedSlices):
                 with tf.device(grad.values.device):
-                    pairs = ((grad.values, cross.all_gather(grad.values)),
-                             (grad.indices, cross.all_gather(grad.indices)))
+                    pairs = ((grad.values, communicator.workers_all_gather(grad.values)),
+                             (grad.indices, communicator.workers_all_gather(grad.indices)))
             else:
                 with tf.device(grad.device):
-                    pairs = ((grad, cross.all_reduce(grad, "sum")),)
+                    pairs = ((grad, communicator.workers_all_reduce(grad, "sum")),)
             for old, new in pairs:
                 for op in readers:
                     replace_input(op, old, new)
