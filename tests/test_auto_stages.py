@@ -27,7 +27,7 @@ from epl import env
 from epl.errors import ParallelizeError
 from epl.ir.annotations import TASKGRAPH_ATTR
 from epl.ir.taskgraph import graph_state
-from epl.runtime.session import parallel_graph
+from epl.parallel import parallel_graph
 from graph_passes import auto_stages
 
 import bert_like
