@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import epl
 from epl import env
+from epl.ir.graph_view import variable_written
 from epl.parallel import parallel_graph
 
 import bert_like
@@ -45,6 +46,25 @@ def test_bert_training_step_matches_single_device(strategy):
     assert result[1]["global_step"] == STEPS
     bert_like.assert_matches(result, bert_like.reference(builder, UNITS * MICRO, EXAMPLES, STEPS),
                              amp=strategy == "amp")
+    if build_kwargs.get("stages"):
+        _assert_slots_live_with_their_parameters(result[2])
+
+
+def _assert_slots_live_with_their_parameters(graph):
+    """BERT's optimizer creates its slots (`<param>/adam_m`, `<param>/adam_v`, the user's
+    names) with get_variable outside every stage scope: each lives on its parameter's
+    device, with its initializer and its updates, not on the first stage's."""
+    slots = [op for op in graph.get_operations() if op.type == "VarHandleOp"
+             and op.name.endswith(("/adam_m", "/adam_v")) and not op.name.startswith("EPL")]
+    devices = {graph.get_operation_by_name(op.name.rsplit("/", 1)[0]).device for op in slots}
+    assert slots and len(devices) > 1, "parameters of several stages have slots"
+    for slot in slots:
+        param = graph.get_operation_by_name(slot.name.rsplit("/", 1)[0])
+        assert slot.device == param.device, (slot.name, slot.device, param.device)
+        writers = [op for op in slot.outputs[0].consumers() if variable_written(op) is slot]
+        assert len(writers) == 2   # the initializer and the update
+        for writer in writers:
+            assert writer.device == param.device, (writer.name, writer.device)
 
 
 def _small_step(gradients_fn, use_epl: bool, rows: int, steps: int = 3):

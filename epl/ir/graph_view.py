@@ -25,7 +25,9 @@ Rules, in the order they are applied:
   otherwise the scope's attribute where set; an untagged op of another phase
   takes the TaskGraph of the op it is colocated with; an untagged forward op
   takes the latest TaskGraph among its inputs; anything else takes the first
-  replicated TaskGraph.
+  replicated TaskGraph, except a variable whose training-step updates all belong
+  to one other TaskGraph (a custom optimizer's slots, created outside every scope
+  in its apply_gradients): it and the ops that take its handle belong to that one.
 - Split TaskGraphs (epl.split, rewritten at gradient time by
   graph_passes/split.py): their forward ops ("split ops") run once over the
   global batch, on their own devices, and are not copied per replica; the
@@ -304,11 +306,29 @@ def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor
 
 
 def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Operation, TaskGraph]:
-    """TaskGraph of every op, following the rules in the module docstring."""
+    """TaskGraph of every op, following the rules in the module docstring.
+
+    A variable that no rule places (created outside every scope and colocated with
+    nothing: the slots BERT's AdamWeightDecayOptimizer creates with get_variable in its
+    apply_gradients) but whose updates all belong to one TaskGraph (the stage of the
+    parameter whose gradient they read) belongs to that TaskGraph, with the ops that
+    take its handle: a second resolution with those variables as hints."""
     first = next(tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT)
+    resolved, defaulted = _resolve_once(ops, state, phase_of, tags, first, {})
+    hints = _updated_variable_hints(ops, phase_of, resolved, defaulted, first)
+    if hints:
+        resolved, _ = _resolve_once(ops, state, phase_of, tags, first, hints)
+    return resolved
+
+
+def _resolve_once(ops, state: GraphState, phase_of, tags, first: TaskGraph, hints: dict
+                  ) -> tuple[dict[tf.Operation, TaskGraph], set]:
+    """(TaskGraph of every op, the ops no rule placed: they got `first`). hints:
+    variable op -> its TaskGraph, for variables no rule places."""
     taskgraph_named = {tg.name: tg for tg in reversed(state.taskgraphs)}  # first of a name wins
     op_named = {op_tags.name: op for op, op_tags in tags.items()}
     resolved: dict[tf.Operation, TaskGraph] = {}
+    defaulted = set()
     for op in ops:  # creation order: inputs and colocation roots come first
         taskgraph = None
         op_tags, phase = tags[op], phase_of.get(op)
@@ -319,12 +339,30 @@ def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Opera
             taskgraph = taskgraph_named.get(op_tags.taskgraph)
         if taskgraph is None and phase in (Phase.BACKWARD, Phase.APPLY, Phase.OTHER):
             taskgraph = resolved.get(root) if root is not None else None
+        if taskgraph is None and hints:
+            taskgraph = hints.get(op) or next(
+                (hints[t.op] for t in op.inputs if t.op in hints), None)  # takes its handle
         if taskgraph is None:
             producers = [resolved[t.op] for t in op.inputs if t.op in resolved]
             if producers and phase != Phase.OTHER:
                 taskgraph = max(producers, key=lambda tg: tg.index)
+        if taskgraph is None:
+            defaulted.add(op)
         resolved[op] = taskgraph or first
-    return resolved
+    return resolved, defaulted
+
+
+def _updated_variable_hints(ops, phase_of, resolved, defaulted: set, first: TaskGraph) -> dict:
+    """Variable op -> the one TaskGraph its training-step updates belong to, for the
+    variables in `defaulted` (placed by no rule) whose updates all belong to one
+    TaskGraph other than `first`."""
+    writers: dict[tf.Operation, dict] = {}   # variable -> {id: TaskGraph} of its updates
+    for op in ops:
+        variable = variable_written(op) if phase_of.get(op) == Phase.APPLY else None
+        if variable is not None and variable in defaulted:
+            writers.setdefault(variable, {})[id(resolved[op])] = resolved[op]
+    return {variable: next(iter(groups.values())) for variable, groups in writers.items()
+            if len(groups) == 1 and next(iter(groups.values())) is not first}
 
 
 def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region, batch_inputs,
