@@ -383,7 +383,8 @@ def test_alltoall_is_bound_by_the_slowest_host_network():
 
 def _alltoall(cluster, units, batch, alltoall_mb=64.0):
     """_alltoall_time of one explicit placement and batch."""
-    from epl.planner.planner import _alltoall_time, _context, _totals
+    from epl.planner.search import _context
+    from epl.planner.step_cost import _alltoall_time, _totals
     from epl.profiles import parse_cluster
     model = _moe_model(alltoall_mb)
     ctx = _context(model, parse_cluster(cluster), "sgd", sum(batch),
@@ -478,7 +479,7 @@ def test_experts_without_work_of_their_own_are_placed_by_whole_examples():
 
 
 def test_expert_placements_run_from_even_to_proportional():
-    from epl.planner.planner import _placement_path
+    from epl.planner.search import _placement_path
     path = _placement_path([2, 2, 2, 2], [3.0, 3.0, 1.0, 1.0])
     assert path[0] == [2, 2, 2, 2]
     assert all(sum(p) == 8 for p in path)
@@ -489,7 +490,7 @@ def test_expert_placements_run_from_even_to_proportional():
 
 
 def test_batches_tried_run_from_balanced_to_even_and_to_the_experts():
-    from epl.planner.planner import _blended_batches
+    from epl.planner.search import _blended_batches
     batches = _blended_batches(16, [12, 4], [1, 3])
     assert batches[0] == [12, 4]                 # the balanced one first
     assert [8, 8] in batches and [4, 12] in batches  # even; follows experts
@@ -522,7 +523,8 @@ def test_explain_prints_each_host_groups_network():
 
 
 def test_remedies_keep_the_host_network():
-    from epl.planner.planner import _hosts_of, cluster_devices
+    from epl.planner.planner import cluster_devices
+    from epl.planner.search import _hosts_of
     from epl.profiles import parse_cluster
     hosts = parse_cluster("1x2xA100-40GB@8x200Gbps,2x2xT4@2x100Gbps")
     assert _hosts_of(cluster_devices(hosts)) == hosts
