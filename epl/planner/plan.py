@@ -19,6 +19,11 @@ import math
 from epl.cluster import Cluster
 from epl.errors import ClusterError
 from epl.ir.taskgraph import TaskGraph
+from epl.planner.balance import stage_device_order
+
+# stage_device_order is balance's (one order for the search and the runtime), also
+# importable from here (graph_passes/auto_stages.py imports it from this module).
+__all__ = ["Plan", "make_plan", "split_layout", "stage_device_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,19 +63,6 @@ class Plan:
             bounds.append(int(round(global_batch * total)))
         bounds[-1] = global_batch
         return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def stage_device_order(memory: list[float] | None, count: int | None = None) -> list[int]:
-    """Positions of one replica's devices in the order its stages take them.
-
-    Earlier pipeline stages keep more activations (1F1B holds up to K - i
-    micro-batches on stage i), so they go to the devices with more memory:
-    positions sorted by memory, largest first, ties in device order. Without
-    memory figures (or all equal), the device order.
-    """
-    if not memory:
-        return list(range(count or 0))
-    return sorted(range(len(memory)), key=lambda i: (-memory[i], i))
 
 
 def _is_split(taskgraph: TaskGraph) -> bool:
