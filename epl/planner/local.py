@@ -10,6 +10,7 @@ None: even shares.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,8 +21,8 @@ from epl.planner import balance
 from epl.planner import roofline as cm
 from epl.planner.balance import index_ranges
 from epl.planner.model_spec import LayerSpec, ModelSpec
-from epl.planner.results import PlanOptions
-from epl.planner.search import _as_model
+from epl.planner.results import Alternative, PlanOptions
+from epl.planner.search import ClusterPlan, _as_model, plan_local_devices
 from epl.planner.step_cost import _totals
 from epl.profiles import DeviceProfile, normalize_dtype
 
@@ -135,23 +136,143 @@ def local_replica_weights(view: Any, cluster: Any, config: Any
     """What epl.parallelize passes to make_plan as replica_weights.
 
     None (even shares) unless `cluster.device_profiles` is configured;
-    then the local devices' profiles (virtual CPU devices through
-    `virtual_cpu_profiles`, GPUs through `detect_profile`) give the shares
-    of `replica_weights_for_local_devices`.  None as well when every
-    replica gets the same share.
+    then the batch shares of the runtime alternative of the local
+    ClusterPlan (`local_layout`) where the model is one (data parallel) or
+    several (pipeline) single-device TaskGraphs, else those of
+    `replica_weights_for_local_devices`.  None as well when every replica
+    gets the same share.
     """
     profiles = local_profiles(cluster, config)
     if profiles is None:
         return None
     if len(set(profiles)) == 1:
         return None
-    weights = replica_weights_for_local_devices(
-        view, profiles, view.global_batch_size,
-        options=PlanOptions(compute_dtype=local_compute_dtype(config)))
+    layout = local_layout(view, cluster, config)
+    if layout is not None:
+        weights = list(layout.replica_weights)
+    else:
+        weights = replica_weights_for_local_devices(
+            view, profiles, view.global_batch_size,
+            options=PlanOptions(compute_dtype=local_compute_dtype(config)))
     first = weights[0]
     if all(math.isclose(w, first, rel_tol=1e-12) for w in weights):
         return None
     return weights
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLayout:
+    """What the runtime takes from the local ClusterPlan.
+
+    Attributes:
+        plan: the ClusterPlan of this worker's devices (`plan_local_devices`).
+        alternative: its alternative with the script's structure (the one
+            the runtime builds, whichever the search would choose).
+        replica_weights: batch share per replica (sums to 1).
+        stage_devices: per replica, the local device index of each stage
+            (TaskGraph), in order.
+    """
+
+    plan: ClusterPlan
+    alternative: Alternative
+    replica_weights: tuple[float, ...]
+    stage_devices: tuple[tuple[int, ...], ...]
+
+
+def runtime_alternative_name(stages: int) -> str:
+    """The alternative whose structure the runtime builds: a pipeline of
+    `stages` stages, or balanced data parallelism (gradient checkpointing and
+    ZeRO are the config's choice, not the planner's)."""
+    return f"pipeline, {stages} stages" if stages > 1 else \
+        "data-parallel, balanced by capability"
+
+
+def local_layout(view: Any, cluster: Any, config: Any) -> LocalLayout | None:
+    """The runtime layout derived from the ClusterPlan of this worker's devices.
+
+    None unless `cluster.device_profiles` is set and the model is K >= 1
+    single-device replicated TaskGraphs and no split one (pipeline stages,
+    or plain data parallelism), with a known global batch.  Then
+    `plan_local_devices` plans the view on the local profiles, with the
+    pipeline stages and micro-batches of the config and neither
+    checkpointing nor ZeRO; the runtime alternative
+    (`runtime_alternative_name`) gives each replica's batch and, for a
+    pipeline, which device runs each stage of each pipeline (the order and
+    grouping the dry run reports, `balance.stage_device_order` over the
+    whole worker).  So `epl-plan` and the real run cannot disagree, but for
+    one example given to each replica the search leaves without any
+    (`_at_least_one_each`: every replica of the layout draws a batch).
+
+    Raises:
+        ClusterError: the runtime alternative gives a replica no example, or
+            has no assignment (the pipeline cannot be laid out).
+    """
+    profiles = local_profiles(cluster, config)
+    taskgraphs = list(view.taskgraphs)
+    if profiles is None or list(getattr(view, "split_taskgraphs", [])) or \
+            not taskgraphs or \
+            any(tg.spec.device_count != 1 for tg in taskgraphs) or \
+            not view.global_batch_size:
+        return None
+    stages = len(taskgraphs)
+    spec = _as_model(view)
+    if stages > 1 and len(spec.layers) != stages:
+        return None  # the runtime cannot move layers across the user's stages
+    options = PlanOptions(
+        compute_dtype=local_compute_dtype(config),
+        pipeline_stages=stages if stages > 1 else None,
+        num_micro_batch=int(config.get("pipeline.num_micro_batch") or 1),
+        try_checkpointing=False, try_zero=False)
+    plan = plan_local_devices(spec, profiles, None, view.global_batch_size,
+                              options)
+    alternative = plan.alternative(runtime_alternative_name(stages))
+    if not alternative.rows:
+        raise ClusterError(f"the local plan has no assignment for "
+                           f"{alternative.name}: {alternative.reason}")
+    return _layout_of(plan, alternative, stages)
+
+
+def _layout_of(plan: ClusterPlan, alternative: Alternative, stages: int
+               ) -> LocalLayout:
+    """Batch shares and stage devices of `alternative`, per replica."""
+    if stages == 1:
+        batches = [load.batch for load in alternative.loads]
+        placement = [(load.device.index,) for load in alternative.loads]
+    else:
+        replicas = len(alternative.loads) // stages
+        slots = [[-1] * stages for _ in range(replicas)]
+        batches = [0] * replicas
+        for load in alternative.loads:
+            slots[load.pipeline][load.stage] = load.device.index
+            batches[load.pipeline] = load.batch
+        placement = [tuple(row) for row in slots]
+    batches = _at_least_one_each(batches)
+    if any(size < 1 for size in batches):
+        raise ClusterError(
+            f"the local plan ({alternative.name}) gives replica(s) "
+            f"{index_ranges([i for i, s in enumerate(batches) if s < 1])} no "
+            f"examples of the global batch of {plan.global_batch} (sizes "
+            f"{batches}); use a larger global batch or fewer devices")
+    total = sum(batches)
+    return LocalLayout(plan, alternative,
+                       tuple(size / total for size in batches),
+                       tuple(placement))
+
+
+def _at_least_one_each(batches: list[int]) -> list[int]:
+    """`batches` with one example moved from the largest share to each empty
+    one, where the batch allows: the search may leave a slow device idle,
+    but every replica of the runtime's layout draws a batch (the one place
+    the runtime departs from the ClusterPlan, by one example per replica)."""
+    sizes = list(batches)
+    if sum(sizes) < len(sizes):
+        return sizes
+    for i, size in enumerate(sizes):
+        if size < 1:
+            donor = max(range(len(sizes)), key=lambda j: (sizes[j], -j))
+            sizes[donor] -= 1
+            sizes[i] = 1
+    return sizes
 
 
 def local_compute_dtype(config: Any) -> str:

@@ -103,6 +103,7 @@ class DeviceLoad:
     shards: int | None = None
     stage: int | None = None
     layers: tuple[int, int] | None = None
+    pipeline: int | None = None  # which pipeline (replica) a stage belongs to
     count: int = 1  # devices this row stands for (identical ones)
     runs: Runs = ()  # their indices, when count > 1 or given
 

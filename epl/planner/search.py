@@ -27,7 +27,7 @@ from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
 from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
                                    _per_example_time, _ring_link,
                                    _slowest_link, _totals)
-from epl.profiles import HostSpec, normalize_dtype, parse_cluster
+from epl.profiles import DeviceProfile, HostSpec, normalize_dtype, parse_cluster
 
 @dataclasses.dataclass(frozen=True)
 class ClusterPlan:
@@ -637,7 +637,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
                 usable=ctx.usable(group[s]), compute_s=compute, comm_s=comm,
                 host_bytes=host, host_usable=ctx.options.host_memory_per_device
                 if ctx.options.offload else math.inf,
-                stage=s, layers=(a, b)))
+                stage=s, layers=(a, b), pipeline=r))
     return sorted(loads, key=lambda load: load.device.index)
 
 
@@ -701,11 +701,20 @@ def _alternatives(ctx: _Context) -> list[Alternative]:
 def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
              global_batch: int, options: PlanOptions) -> _Context:
     """Validated evaluation context."""
+    return _device_context(model, DeviceLayout(hosts), optimizer,
+                           global_batch, options)
+
+
+def _device_context(model: ModelSpec, devices: Sequence[ClusterDevice],
+                    optimizer: str, global_batch: int, options: PlanOptions
+                    ) -> _Context:
+    """Validated evaluation context over `devices` (a DeviceLayout, or a
+    list of ClusterDevices)."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) \
             or global_batch < 1:
         raise ConfigError(f"the global batch must be a positive int, got "
                           f"{global_batch!r}")
-    return _Context(model=model, devices=DeviceLayout(hosts),
+    return _Context(model=model, devices=devices,
                     optimizer=optimizer,
                     slots=cm.optimizer_slots(optimizer),
                     global_batch=global_batch, options=options,
@@ -759,6 +768,39 @@ def plan_cluster(model: Any, hosts: Sequence[HostSpec] | str,
     chosen = _choose(feasible)
     return ClusterPlan(spec, cluster, ctx.optimizer, batch, options,
                        tuple(alts), chosen)
+
+
+def plan_local_devices(model: Any, profiles: Sequence[DeviceProfile],
+                       optimizer: str | None = None,
+                       global_batch: int | None = None,
+                       options: PlanOptions | None = None) -> ClusterPlan:
+    """Plan `model` on one worker's devices, whose profiles may differ.
+
+    The same search as `plan_cluster`, over one host holding the devices
+    `profiles` in local device order (a HostSpec has one profile, so a
+    mixed worker, such as virtual CPU devices with different
+    `cluster.device_profiles`, cannot be written as hosts).  The devices
+    are evaluated one by one; `ClusterPlan.hosts` is then one HostSpec of
+    the first device's profile, for the text only.  This is the plan the
+    runtime follows (`epl.planner.local`).
+    """
+    options = options or PlanOptions()
+    spec = _as_model(model)
+    profiles = list(profiles)
+    if not profiles:
+        raise ClusterError("plan_local_devices needs at least one device")
+    devices = [ClusterDevice(i, 0, i, p) for i, p in enumerate(profiles)]
+    batch = global_batch if global_batch is not None else (
+        spec.batch_size or 32 * len(devices))
+    ctx = _device_context(spec, devices, optimizer or spec.optimizer or
+                          "adam", batch, options)
+    alts = _alternatives(ctx)
+    feasible = [a for a in alts if a.feasible]
+    if not feasible:
+        raise ClusterError(_nothing_fits(ctx, alts))
+    return ClusterPlan(spec, (HostSpec(profiles[0], len(profiles)),),
+                       ctx.optimizer, batch, options, tuple(alts),
+                       _choose(feasible))
 
 
 def _choose(feasible: Sequence[Alternative]) -> Alternative:
