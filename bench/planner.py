@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from epl.errors import ClusterError  # noqa: E402
 from epl.planner import balance  # noqa: E402
-from epl.planner import planner as planner_lib  # noqa: E402
+from epl.planner import search, step_cost  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
 from epl.profiles import parse_cluster  # noqa: E402
 from tools.epl_plan import builtin_model  # noqa: E402
@@ -119,13 +119,13 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
     model = builtin_model(model_name, DTYPE)
     hosts = parse_cluster(cluster)
     batch = per_device * sum(h.devices for h in hosts)
-    ctx = planner_lib._context(model, hosts, "adam", batch,
+    ctx = search._context(model, hosts, "adam", batch,
                                PlanOptions(compute_dtype=DTYPE))
     kinds = sorted({d.profile.name for d in ctx.devices})
     units = model.split_units
     if len(kinds) != 2 or not units:
         return None
-    totals = planner_lib._totals(model.layers, False)
+    totals = step_cost._totals(model.layers, False)
     first = [i for i, d in enumerate(ctx.devices)
              if d.profile.name == kinds[0]]
     second = [i for i in range(len(ctx.devices)) if i not in first]
@@ -136,7 +136,7 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
             even = balance.proportional_shares(total, [1.0] * len(group))
             for i, u in zip(group, even):
                 placement[i] = u
-        states = [planner_lib._device_state(ctx, totals, u, len(placement),
+        states = [search._device_state(ctx, totals, u, len(placement),
                                             False) for u in placement]
         for each in range(batch // len(first) + 1):
             sizes = [0] * len(ctx.devices)
@@ -146,9 +146,9 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
             even = balance.proportional_shares(rest, [1.0] * len(second))
             for i, b in zip(second, even):
                 sizes[i] = b
-            loads = planner_lib._dp_loads(ctx, totals, placement, states,
+            loads = search._dp_loads(ctx, totals, placement, states,
                                           sizes)
-            if planner_lib._memory_reason(loads):
+            if search._memory_reason(loads):
                 continue
             step = max(load.step_s for load in loads)
             best = step if best is None else min(best, step)

@@ -94,3 +94,13 @@ def test_balanced_moe_plan_is_as_fast_as_an_exhaustive_search(cluster):
     best = planner_bench.exhaustive_best(cluster, "m6-mini", 64)
     assert best is not None and best <= balanced.step_time * (1 + 1e-9)
     assert balanced.step_time <= best * 1.01
+
+
+def test_calibration_bench_prints_ratio_and_target(capsys):
+    import calibration
+    assert calibration.main(["--runs", "1", "--only", "train_mlp"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ratio predicted/measured \[train_mlp, 4 virtual CPU devices, "
+                     r"batch 256\]: \d+\.\d{3} \(predicted .* ms, measured .* ms; "
+                     r"target 0\.7-1\.3\)$", out, re.M)
+    assert re.search(r"^\d of 1 examples within the target 0\.7-1\.3$", out, re.M)

@@ -11,9 +11,9 @@ import pytest
 
 from epl.planner import balance
 from epl.planner.model_spec import LayerSpec, ModelSpec
-from epl.planner.planner import (DeviceLayout, _context,
-                                 _per_device_data_parallel, _alternatives,
-                                 PlanOptions, plan_cluster, size_text)
+from epl.planner.planner import (DeviceLayout, PlanOptions, plan_cluster,
+                                 size_text)
+from epl.planner.search import _alternatives, _context, _per_device_data_parallel
 from epl.profiles import parse_cluster
 from tools import epl_plan
 

@@ -1,18 +1,17 @@
 """Calibration: the planner's predicted step time against the measured one on this machine.
 
 An MLP built here, data-parallel over 2 virtual CPU devices, and each example
-under examples/ (captured as epl-plan --script captures it, then run as a
-subprocess with small settings and timed from its samples/s lines) are planned
-with the measured CPU profile of their virtual devices. The ratios are printed
+under examples/ (bench/calibration.py: captured as epl-plan --script captures
+it, then run as a subprocess with small settings and timed from its samples/s
+lines; the bench takes the median of several runs) are planned with the
+measured CPU profile of their virtual devices. The ratios are printed
 at the end of the test log ("reported figures"); the assertion is only a loose
 bound, since the roofline model does not see TensorFlow's per-op overhead,
 which dominates the examples' small steps, and the CPU profile is measured on
 a shared machine.
 """
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -62,53 +61,24 @@ def test_predicted_vs_measured_step_time(epl_env, report, batch):
     assert 0.02 < ratio < 50
 
 
-EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "examples")
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH_DIR)
+
+import calibration  # noqa: E402  (bench/calibration.py)
+
+#: The bound this test enforces on every example's predicted/measured ratio
+#: (one run each).  The target is bench/calibration.py's 0.7-1.3, which the
+#: model misses today: measured (median of 3 runs, shared 2-core machine)
+#: train_mlp 0.25, large_classifier 0.49, m6_mini 0.14, bert_pipeline 0.32,
+#: under-predictions from TensorFlow's per-op overhead the roofline ignores.
+#: The bound leaves 2.8x below the worst for machine noise and fails on a
+#: model that over-predicts 2x or under-predicts 20x.
+EXAMPLE_BOUND = (0.05, 2.0)
 
 
-def _measured_step_time(path, argv, batch):
-    """Median seconds per step of the example, from its "samples/s" lines
-    (the first interval, with the warm-up, left out)."""
-    result = subprocess.run([sys.executable, path, *argv], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rates = [float(v) for v in re.findall(r"(\d+(?:\.\d+)?) samples/s", result.stdout)]
-    assert len(rates) >= 3, result.stdout
-    return statistics.median(batch / rate for rate in rates[1:])
-
-
-def _predicted_step_time(path, argv, batch, devices):
-    """The planner's step time for the example's strategy on `devices`
-    virtual CPU devices with the measured CPU profile."""
-    from epl.planner.planner import PlanOptions, model_from_graph
-    from tools.epl_plan import capture_script_graph
-    graph, config = capture_script_graph(path, argv)
-    model = model_from_graph(graph, name=os.path.basename(path))
-    micro = config.get("pipeline.num_micro_batch")
-    plan = plan_cluster(model, [HostSpec(virtual_cpu_profiles(devices)[0], devices)],
-                        global_batch=batch, options=PlanOptions(num_micro_batch=micro))
-    # identical devices: the balanced split is the even one; a model with
-    # annotated stages runs as the pipeline the example builds
-    name = f"pipeline, {model.stages} stages" if model.stages > 1 \
-        else "data-parallel, even split"
-    return plan.alternative(name).step_time
-
-
-# batch: the global batch of a step (the examples' --batch is one replica's, EPL's
-# contract: 64 x 4, 8 x 4, 4 x 4, and bert_pipeline's 8 x 4 micro-batches)
-@pytest.mark.parametrize("script,argv,batch,devices", [
-    ("train_mlp", ["--steps", "60", "--log-every", "10"], 256, 4),
-    ("large_classifier", ["--steps", "24", "--classes", "20000", "--batch", "8",
-                          "--log-every", "4"], 32, 4),
-    ("m6_mini", ["--steps", "24", "--batch", "4", "--log-every", "4"], 16, 4),
-    ("bert_pipeline", ["--steps", "30", "--log-every", "5"], 32, 2),
-])
-def test_examples_predicted_vs_measured_step_time(report, script, argv, batch, devices):
-    path = os.path.join(EXAMPLES_DIR, f"{script}.py")
-    predicted = _predicted_step_time(path, argv, batch, devices)
-    measured = _measured_step_time(path, argv, batch)
-    ratio = predicted / measured
-    report(f"calibration[{script}, {devices} virtual CPU devices, batch {batch}]: predicted "
-          f"{predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms, "
-          f"predicted/measured = {ratio:.3f}")
-    assert 0.001 < ratio < 50
+@pytest.mark.parametrize("example", calibration.EXAMPLES, ids=lambda e: e.script)
+def test_examples_predicted_vs_measured_step_time(report, example):
+    predicted = calibration.predicted_step_time(example)
+    measured = calibration.measured_step_time(example)
+    report("calibration: " + calibration.ratio_line(example, predicted, measured))
+    assert EXAMPLE_BOUND[0] < predicted / measured < EXAMPLE_BOUND[1]

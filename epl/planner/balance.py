@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from epl.errors import ClusterError
 
@@ -517,11 +517,23 @@ def _remedies(total: int, held: int, wanted: list[int], per: list[float],
 # --------------------------------------------------------------------------
 
 def stage_device_order(memory: Sequence[float],
-                       capabilities: Sequence[float]) -> list[int]:
-    """Device indices ordered for stages: more memory first, then faster,
-    then lower index (earlier stages keep more activations alive)."""
+                       capabilities: Sequence[float] | None = None
+                       ) -> list[int]:
+    """Positions of one pipeline's devices in the order its stages take them.
+
+    Earlier stages keep more micro-batches' activations alive (1F1B holds
+    up to K - i on stage i), so they go to the devices with more memory:
+    more memory first, then faster (`capabilities`, any rate; omitted: no
+    preference), then the lower index.  The one order the plan search
+    (`balance_stages`) and the runtime layout (`epl.planner.plan`) use.
+    """
+    speed = list(capabilities) if capabilities is not None else \
+        [0.0] * len(memory)
+    if len(speed) != len(memory):
+        raise ClusterError(f"stage_device_order: {len(memory)} memory "
+                           f"figures but {len(speed)} capabilities")
     return sorted(range(len(memory)),
-                  key=lambda i: (-memory[i], -capabilities[i], i))
+                  key=lambda i: (-memory[i], -speed[i], i))
 
 
 def balance_stages(layer_costs: Sequence[float],
@@ -599,6 +611,7 @@ class _Prefix:
     def __init__(self, costs: list[float], fixed: list[float],
                  acts: list[float]) -> None:
         self.n = len(costs)
+        self.costs = costs
         self._cost = _cumsum(costs)
         self._fixed = _cumsum(fixed)
         self._acts = _cumsum(acts)
@@ -624,32 +637,117 @@ def _cumsum(values: list[float]) -> list[float]:
 def _best_cuts(prefix: _Prefix, caps: list[float], mem_cap: list[float],
                mult: list[float], respect_memory: bool
                ) -> list[tuple[int, int]] | None:
-    """Exact min-max contiguous partition (None when nothing fits)."""
-    n, stages = prefix.n, len(caps)
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(stages)]
-    back = [[-1] * (n + 1) for _ in range(stages)]
+    """Exact min-max contiguous cut of the layers (None when nothing fits)."""
+    def fits(stage: int, start: int, end: int) -> bool:
+        return prefix.memory(start, end, mult[stage]) <= \
+            mem_cap[stage] * (1 + 1e-12)
+
+    return min_max_partition(prefix.costs, len(caps), speeds=caps,
+                             fits=fits if respect_memory else None)
+
+
+def min_max_partition(costs: Sequence[float], num_stages: int, *,
+                      speeds: Sequence[float] | None = None,
+                      allowed_cuts: Sequence[int] | None = None,
+                      cut_weights: Sequence[float] | None = None,
+                      fits: Callable[[int, int, int], bool] | None = None
+                      ) -> list[tuple[int, int]] | None:
+    """Contiguous non-empty stages over `costs` minimising the slowest stage.
+
+    The one stage-partition dynamic programme of EPL: pipeline cuts over
+    layers (`balance_stages`) and over a graph's ops
+    (graph_passes/auto_stages.py).
+
+    Args:
+        costs: per position (layer, op), in order, its cost.
+        num_stages: stages to cut the positions into (>= 1).
+        speeds: per stage, the divisor of its cost (its device's speed);
+            stage s takes sum(costs[a:b]) / speeds[s].  Default 1.
+        allowed_cuts: boundaries a stage may start at; boundary b separates
+            position b - 1 from position b (so 1 <= b <= len(costs) - 1).
+            Default: every boundary.
+        cut_weights: one weight per allowed cut (e.g. the tensors that cross
+            it), in the order of `allowed_cuts`; default 0.
+        fits: fits(stage, start, end): whether positions start..end-1 may
+            form stage `stage` (memory); default always.
+
+    Returns:
+        (start, end) per stage, end exclusive, or None when no partition
+        exists (fewer allowed cuts than num_stages - 1, or none fits).
+        Exact: the least possible slowest-stage time; among the partitions
+        that reach it, the least total weight of the cuts used; remaining
+        ties go to the partition whose last stage starts earliest, then the
+        one before it, and so on.
+    """
+    n = len(costs)
+    if num_stages < 1:
+        raise ClusterError(f"num_stages must be >= 1, got {num_stages!r}")
+    speed = _per_device(speeds, num_stages, "stage speeds", 1.0)
+    if any(not v > 0 for v in speed):
+        raise ClusterError(f"stage speeds must be positive, got {speed}")
+    cuts = list(range(1, n)) if allowed_cuts is None else list(allowed_cuts)
+    weights = [0.0] * len(cuts) if cut_weights is None else \
+        [float(w) for w in cut_weights]
+    if len(weights) != len(cuts):
+        raise ClusterError(f"{len(weights)} cut weights for {len(cuts)} "
+                           f"allowed cuts")
+    if any(not 0 < c < n for c in cuts) or cuts != sorted(set(cuts)):
+        raise ClusterError(f"allowed cuts must be increasing boundaries in "
+                           f"1..{n - 1}, got {cuts}")
+    if n < num_stages or len(cuts) < num_stages - 1:
+        return None
+    bounds = [0] + cuts + [n]
+    weight = [0.0] + weights + [0.0]
+    prefix = _cumsum([float(c) for c in costs])
+
+    def time(stage: int, i: int, j: int) -> float:
+        return (prefix[bounds[j]] - prefix[bounds[i]]) / speed[stage]
+
+    def allowed(stage: int, i: int, j: int) -> bool:
+        return fits is None or fits(stage, bounds[i], bounds[j])
+
+    slowest = _partition_pass(num_stages, len(bounds), time, allowed,
+                              lambda i: 0.0, math.inf)
+    if slowest is None:
+        return None
+    if any(weights):
+        slowest = _partition_pass(num_stages, len(bounds), time, allowed,
+                                  lambda i: weight[i], slowest[0])
+    chosen = slowest[1]
+    return [(bounds[i], bounds[j]) for i, j in zip(chosen, chosen[1:])]
+
+
+def _partition_pass(stages: int, m: int, time: Callable[[int, int, int], float],
+                    allowed: Callable[[int, int, int], bool],
+                    weight: Callable[[int], float], limit: float
+                    ) -> tuple[float, list[int]] | None:
+    """One dynamic programme of `min_max_partition` over boundary indices
+    0..m-1: stage s spans boundaries i < j.  Key per state: (total weight of
+    the cuts used, slowest stage so far); stages slower than `limit` are
+    excluded.  Returns (slowest stage, boundary indices) or None."""
+    inf = (math.inf, math.inf)
+    best = [[inf] * m for _ in range(stages)]
+    back = [[-1] * m for _ in range(stages)]
     for s in range(stages):
-        for end in range(s + 1, n - (stages - s - 1) + 1):
-            starts = [0] if s == 0 else range(s, end)
-            for start in starts:
-                before = 0.0 if s == 0 else best[s - 1][start]
+        ends = [m - 1] if s == stages - 1 else range(s + 1, m - (stages - s - 1))
+        for j in ends:
+            for i in ([0] if s == 0 else range(s, j)):
+                before = (0.0, 0.0) if s == 0 else best[s - 1][i]
                 if before == inf:
                     continue
-                if respect_memory and prefix.memory(start, end, mult[s]) > \
-                        mem_cap[s] * (1 + 1e-12):
+                t = time(s, i, j)
+                if t > limit or not allowed(s, i, j):
                     continue
-                value = max(before, prefix.cost(start, end) / caps[s])
-                if value < best[s][end]:
-                    best[s][end], back[s][end] = value, start
-    if best[stages - 1][n] == inf:
+                key = (before[0] + (weight(i) if s else 0.0), max(before[1], t))
+                if key < best[s][j]:
+                    best[s][j], back[s][j] = key, i
+    if best[stages - 1][m - 1] == inf:
         return None
-    bounds, end = [], n
+    chosen, j = [m - 1], m - 1
     for s in range(stages - 1, -1, -1):
-        start = back[s][end]
-        bounds.append((start, end))
-        end = start
-    return bounds[::-1]
+        j = back[s][j]
+        chosen.append(j)
+    return best[stages - 1][m - 1][1], chosen[::-1]
 
 
 def _stages_do_not_fit(bounds: list[tuple[int, int]], order: list[int],

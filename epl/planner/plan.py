@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from epl.cluster import Cluster
 from epl.errors import ClusterError
 from epl.ir.taskgraph import TaskGraph
+from epl.planner import local
+from epl.planner.balance import stage_device_order
+
+# stage_device_order is balance's (one order for the search and the runtime), also
+# importable from here (graph_passes/auto_stages.py imports it from this module).
+__all__ = ["Plan", "make_local_plan", "make_plan", "split_layout", "stage_device_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +67,6 @@ class Plan:
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def stage_device_order(memory: list[float] | None, count: int | None = None) -> list[int]:
-    """Positions of one replica's devices in the order its stages take them.
-
-    Earlier pipeline stages keep more activations (1F1B holds up to K - i
-    micro-batches on stage i), so they go to the devices with more memory:
-    positions sorted by memory, largest first, ties in device order. Without
-    memory figures (or all equal), the device order.
-    """
-    if not memory:
-        return list(range(count or 0))
-    return sorted(range(len(memory)), key=lambda i: (-memory[i], i))
-
-
 def _is_split(taskgraph: TaskGraph) -> bool:
     return taskgraph.spec.kind.value == "split"
 
@@ -112,7 +106,8 @@ def split_layout(taskgraphs: list[TaskGraph], cluster: Cluster,
 
 
 def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True,
-            device_memory: list[float] | None = None) -> tuple[int, dict, dict]:
+            device_memory: list[float] | None = None,
+            stage_devices: list[list[int]] | None = None) -> tuple[int, dict, dict]:
     available, split_devices = split_layout(taskgraphs, cluster, colocate)
     replicated = [tg for tg in taskgraphs if not _is_split(tg)]
     if not replicated:
@@ -134,7 +129,12 @@ def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True
             f"device_count values whose sum divides {available}.")
     replicas = available // per_replica
     devices = {}
-    if device_memory and len(taskgraphs) > 1 and all(tg.spec.device_count == 1 for tg in taskgraphs):
+    if stage_devices is not None:
+        _check_stage_devices(stage_devices, replicas, len(taskgraphs), available)
+        for placement in stage_devices:
+            for tg, index in zip(taskgraphs, placement):
+                devices.setdefault(tg.name, []).append(cluster.local_devices[index])
+    elif device_memory and len(taskgraphs) > 1 and all(tg.spec.device_count == 1 for tg in taskgraphs):
         for r in range(replicas):   # pipeline stages: earlier stages on devices with more memory
             base = r * per_replica
             order = stage_device_order(device_memory[base:base + per_replica])
@@ -151,17 +151,34 @@ def _layout(taskgraphs: list[TaskGraph], cluster: Cluster, colocate: bool = True
     return replicas, devices, split_devices
 
 
+def _check_stage_devices(stage_devices: list[list[int]], replicas: int, stages: int,
+                         available: int) -> None:
+    """Raise ClusterError unless `stage_devices` gives each of `replicas` replicas
+    one distinct local device per stage."""
+    used = [i for placement in stage_devices for i in placement]
+    if len(stage_devices) != replicas or any(len(p) != stages for p in stage_devices) \
+            or sorted(used) != sorted(set(used)) or any(not 0 <= i < available for i in used):
+        raise ClusterError(
+            f"stage_devices={stage_devices} must give each of the {replicas} replicas "
+            f"{stages} distinct local device indices below {available}.")
+
+
 def make_plan(taskgraphs: list[TaskGraph], cluster: Cluster,
               replica_weights: list[float] | None = None, colocate_split: bool = True,
-              device_memory: list[float] | None = None) -> Plan:
+              device_memory: list[float] | None = None,
+              stage_devices: list[list[int]] | None = None) -> Plan:
     """Lay the TaskGraphs out on the cluster; raise ClusterError if they do not fit.
 
     replica_weights: optional batch shares per replica (positive; normalized).
     colocate_split: `cluster.colocate_split_and_replicate`.
     device_memory: bytes per local device (device profiles): pipeline stages
       then take each replica's devices in order of memory, largest first.
+    stage_devices: per replica, the local device index of each replicated
+      TaskGraph (in order), as the planner's ClusterPlan lays them out
+      (`epl.planner.local.local_plan`); overrides device_memory.
     """
-    replicas, devices, split_devices = _layout(taskgraphs, cluster, colocate_split, device_memory)
+    replicas, devices, split_devices = _layout(taskgraphs, cluster, colocate_split, device_memory,
+                                               stage_devices)
     if replica_weights is None:
         weights = tuple(1.0 / replicas for _ in range(replicas))
     else:
@@ -173,3 +190,31 @@ def make_plan(taskgraphs: list[TaskGraph], cluster: Cluster,
         total = sum(weights)
         weights = tuple(w / total for w in weights)
     return Plan(replicas, devices, weights, split_devices)
+
+
+def make_local_plan(taskgraphs: list[TaskGraph], view: Any, cluster: Cluster,
+                    config: Any, replica_weights: list[float] | None = None,
+                    uneven: bool = True) -> Plan:
+    """The runtime Plan of this worker, derived from the planner's ClusterPlan.
+
+    Where `epl.planner.local.local_layout` applies (device profiles set, the
+    model single-device TaskGraphs), the batch shares and each stage's device
+    are the local ClusterPlan's, so the dry run and the real run agree; else
+    as `make_plan` with `local_replica_weights` and stages by device memory.
+    replica_weights: shares given by the caller; they win over the planner's.
+    uneven: False where the batch mode cannot give replicas different batch
+      sizes (`supports_uneven_shares`): even shares, the planner's devices.
+    """
+    profiles = local.local_profiles(cluster, config)
+    colocate = bool(config.get("cluster.colocate_split_and_replicate"))
+    layout = local.local_layout(view, cluster, config)
+    if layout is None:
+        weights = replica_weights if replica_weights is not None or not uneven \
+            else local.local_replica_weights(view, cluster, config)
+        return make_plan(list(taskgraphs), cluster, weights, colocate,
+                         [p.memory_bytes for p in profiles] if profiles
+                         else None)
+    weights = replica_weights if replica_weights is not None else \
+        list(layout.replica_weights) if uneven else None
+    return make_plan(list(taskgraphs), cluster, weights, colocate,
+                     stage_devices=[list(p) for p in layout.stage_devices])

@@ -1,0 +1,242 @@
+"""The cost of one step on one device: what every alternative's evaluation reads.
+
+Summed layer figures (`_Totals`, with gradient checkpointing's recompute and
+kept activations), the evaluation context (`_Context`: roofline time of
+FLOPs and bytes on a device, the optimizer update), and the communication
+terms: the link that bounds a ring all-reduce (`_slowest_link`,
+`_cluster_link`) and the expert all-to-all (`_alltoall_time`).  The model
+these implement is described in `epl.planner.planner`'s docstring.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from epl.planner import roofline as cm
+from epl.planner.devices import ClusterDevice, DeviceLayout
+from epl.planner.model_spec import LayerSpec, ModelSpec
+from epl.planner.results import PlanOptions
+
+#: Apply-op name (cost_model.APPLY_OPS) behind each optimizer name.
+_APPLY_OP_OF = {
+    "sgd": "GradientDescent", "gradientdescent": "GradientDescent",
+    "momentum": "Momentum", "nesterov": "Momentum", "adam": "Adam",
+    "adamw": "Adam", "lazyadam": "Adam", "adamax": "AdaMax", "nadam": "Adam",
+    "lamb": "Adam", "adagrad": "Adagrad", "rmsprop": "RMSProp",
+    "centeredrmsprop": "CenteredRMSProp", "adadelta": "Adadelta",
+    "ftrl": "Ftrl",
+}
+
+
+# --------------------------------------------------------------------------
+# Model descriptions.
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Totals:
+    """Summed figures of some layers (per example or per step)."""
+
+    flops: float
+    bytes: float
+    act: float
+    params: float
+    split_params: float
+    split_flops: float
+    split_bytes: float
+    split_act: float
+    alltoall: float
+    largest_layer_params: float
+    largest_layer_split_params: float
+
+
+def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
+    """(replicated, split) activation bytes per example under checkpointing."""
+    given = sum(l.checkpointed_activation_bytes_per_example or 0.0
+                for l in layers)
+    free = [l.activation_bytes_per_example + l.split_activation_bytes_per_example
+            for l in layers if l.checkpointed_activation_bytes_per_example is None]
+    kept = given + (cm.checkpointed_bytes(free) if free else 0.0)
+    full = sum(l.activation_bytes_per_example
+               + l.split_activation_bytes_per_example for l in layers)
+    split = sum(l.split_activation_bytes_per_example for l in layers)
+    ratio = kept / full if full else 0.0
+    return kept - split * ratio, split * ratio
+
+
+def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
+    """Sum `layers`; with checkpointing, add the recompute and cut activations."""
+    def total(field: str) -> float:
+        return float(sum(getattr(l, field) for l in layers))
+
+    flops, split_flops = total("flops_per_example"), total(
+        "split_flops_per_example")
+    act, split_act = total("activation_bytes_per_example"), total(
+        "split_activation_bytes_per_example")
+    if checkpointing:
+        flops += sum(l.flops_per_example / 3 if l.recompute_flops_per_example
+                     is None else l.recompute_flops_per_example
+                     for l in layers)
+        split_flops += split_flops / 3
+        act, split_act = _checkpointed(layers)
+    traffic, split_traffic = total("bytes_per_example"), total(
+        "split_bytes_per_example")
+    if checkpointing:  # the recomputed forward moves its bytes again
+        traffic, split_traffic = traffic * 4 / 3, split_traffic * 4 / 3
+    return _Totals(
+        flops=flops, bytes=traffic, act=act,
+        params=total("parameter_bytes"),
+        split_params=total("split_parameter_bytes"),
+        split_flops=split_flops, split_bytes=split_traffic,
+        split_act=split_act, alltoall=total("alltoall_bytes_per_example"),
+        largest_layer_params=max(l.parameter_bytes for l in layers),
+        largest_layer_split_params=max(l.split_parameter_bytes
+                                       for l in layers))
+
+
+# --------------------------------------------------------------------------
+# Evaluation context.
+# --------------------------------------------------------------------------
+
+def optimizer_update_cost(parameter_bytes: float, dtype_bytes: int,
+                          optimizer: str) -> cm.GroupCost:
+    """FLOPs and bytes of one optimizer update of `parameter_bytes`."""
+    slots = cm.optimizer_slots(optimizer)
+    key = re.sub(r"[^a-z0-9]", "", str(optimizer).lower())
+    key = re.sub(r"optimizer$", "", key) or key
+    per_element = cm.APPLY_OPS.get(_APPLY_OP_OF.get(key, ""), (2 + 4 * slots,
+                                                                slots))[0]
+    elements = parameter_bytes / dtype_bytes
+    return cm.GroupCost(flops=elements * per_element,
+                        bytes=parameter_bytes * (3 + 2 * slots))
+
+
+@dataclasses.dataclass
+class _Context:
+    """What every alternative's evaluation reads."""
+
+    model: ModelSpec
+    devices: list[ClusterDevice]
+    optimizer: str
+    slots: int
+    global_batch: int
+    options: PlanOptions
+    dtype: str
+
+    def usable(self, device: ClusterDevice) -> float:
+        """Bytes a plan may use on `device`."""
+        return device.profile.memory_bytes * self.options.usable_fraction
+
+    def time(self, device: ClusterDevice, flops: float, nbytes: float
+             ) -> float:
+        """Roofline seconds of (flops, bytes) on `device`."""
+        if flops <= 0 and nbytes <= 0:
+            return 0.0
+        return cm.predict_time(cm.GroupCost(flops=flops, bytes=nbytes),
+                               device.profile, self.dtype,
+                               self.options.efficiency)
+
+    def update_time(self, device: ClusterDevice, param_bytes: float) -> float:
+        """Seconds of the optimizer update of `param_bytes` on `device`
+        (zero under offload: the host runs it)."""
+        if self.options.offload or param_bytes <= 0:
+            return 0.0
+        cost = optimizer_update_cost(param_bytes,
+                                     self.model.parameter_dtype_bytes,
+                                     self.optimizer)
+        return self.time(device, cost.flops, cost.bytes)
+
+
+def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
+    """(bytes/s, "inter-node" or "intra-node") that bounds a ring all-reduce
+    over `devices`.
+
+    Within one host: the slowest device's intra-node link.  Across hosts:
+    NCCL runs one ring per NIC, each crossing every host boundary through
+    its own NIC, so the crossings go at the host's whole network bandwidth
+    (NICs x rate); the slowest host's network binds, unless the intra-node
+    link of a host with several of the devices is slower still.
+    """
+    per_host: dict[int, int] = {}
+    for device in devices:
+        per_host[device.host] = per_host.get(device.host, 0) + 1
+    if len(per_host) == 1:
+        return min(d.profile.intra_node_bandwidth for d in devices), \
+            "intra-node"
+    network = min(d.network.bandwidth for d in devices)
+    intra = [d.profile.intra_node_bandwidth for d in devices
+             if per_host[d.host] > 1]
+    if intra and min(intra) < network:
+        return min(intra), "intra-node"
+    return network, "inter-node"
+
+
+def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
+                   batch: Sequence[int]) -> float:
+    """Seconds of one step's expert all-to-all (every split layer's dispatch
+    and combine, forward and backward); every device waits for all of it.
+
+    A device's tokens go to device e in proportion to e's experts, u_e / U
+    (the MoE layer sends every example's capacity slots for every expert):
+    a host holding many experts keeps more of its own tokens.  Per
+    example, A bytes travel (`alltoall`).
+    - Within host h (U_h experts): device d sends b_d A (U_h - u_d) / U to
+      its host's other devices and receives (B_h - b_d) A u_d / U from them,
+      both at once, over its intra-node link.
+    - Across hosts: host h sends B_h A (U - U_h) / U and receives
+      (B - B_h) A U_h / U through its own network (all its NICs, each
+      direction at its full bandwidth).
+    The exchange takes as long as its busiest link, on whichever host.
+    """
+    units_total = sum(units)
+    if len(ctx.devices) <= 1 or not totals.alltoall or not units_total:
+        return 0.0
+    per_unit = totals.alltoall / units_total
+    host_units: dict[int, int] = {}
+    host_batch: dict[int, int] = {}
+    for device, u, b in zip(ctx.devices, units, batch):
+        host_units[device.host] = host_units.get(device.host, 0) + u
+        host_batch[device.host] = host_batch.get(device.host, 0) + b
+    total_batch = sum(batch)
+    seconds = 0.0
+    for device, u, b in zip(ctx.devices, units, batch):
+        h = device.host
+        sent = b * per_unit * (host_units[h] - u)
+        received = (host_batch[h] - b) * per_unit * u
+        seconds = max(seconds, max(sent, received)
+                      / device.profile.intra_node_bandwidth)
+    networks = {d.host: d.network.bandwidth for d in ctx.devices}
+    for h, bandwidth in networks.items():
+        sent = host_batch[h] * per_unit * (units_total - host_units[h])
+        received = (total_batch - host_batch[h]) * per_unit * host_units[h]
+        seconds = max(seconds, max(sent, received) / bandwidth)
+    return seconds
+
+
+def _per_example_time(ctx: _Context, device: ClusterDevice,
+                      totals: _Totals) -> float:
+    """Seconds per example of the replicated part on `device`."""
+    seconds = ctx.time(device, totals.flops, totals.bytes)
+    if seconds <= 0:  # a model with only split layers
+        seconds = ctx.time(device, totals.split_flops, totals.split_bytes)
+    return seconds if seconds > 0 else 1.0 / device.profile.flops(ctx.dtype)
+
+
+def _cluster_link(layout: DeviceLayout) -> tuple[float, str]:
+    """`_slowest_link` of every device of a cluster of several hosts, from
+    its device classes."""
+    network = min(c.network.bandwidth for c in layout.classes)
+    intra = [c.profile.intra_node_bandwidth for c in layout.classes
+             if c.per_host > 1]
+    if intra and min(intra) < network:
+        return min(intra), "intra-node"
+    return network, "inter-node"
+
+
+def _ring_link(ctx: _Context) -> float:
+    """`_slowest_link` of the whole cluster, from its device classes."""
+    layout = ctx.devices
+    if len(layout.hosts) == 1:
+        return _slowest_link([c.representative
+                              for c in layout.classes])[0]
+    return _cluster_link(layout)[0]
