@@ -25,8 +25,8 @@ from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
 from epl.ir.autodiff import internal_autodiff
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
-from epl.planner.plan import Plan, make_plan, split_layout
-from epl.planner.planner import local_profiles, local_replica_weights, local_shard_weights
+from epl.planner.plan import Plan, make_local_plan, split_layout
+from epl.planner.planner import local_profiles, local_shard_weights
 from epl.runtime.communicators import make_communicator
 from epl.strategies import EAGER_HINT
 from graph_passes.amp import AmpPass
@@ -205,12 +205,10 @@ def pass_context(graph: tf.Graph, state, replica_weights: list[float] | None = N
     profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
     auto_stages(graph, state, config, profiles)  # auto.auto_parallel + pipeline.num_stages
     view = analyze(graph, state)
-    if replica_weights is None and supports_uneven_shares(view, batch_mode(config)):
-        # the hardware-aware planner: uneven shares for mixed devices (None = even split)
-        replica_weights = local_replica_weights(view, cluster, config)
-    plan = make_plan(view.taskgraphs + view.split_taskgraphs, cluster, replica_weights,
-                     bool(config.get("cluster.colocate_split_and_replicate")),
-                     [p.memory_bytes for p in profiles] if profiles else None)
+    # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
+    # devices (batch shares, each stage's device), so the dry run and the real run agree
+    plan = make_local_plan(view.taskgraphs + view.split_taskgraphs, view, cluster, config,
+                           replica_weights, supports_uneven_shares(view, batch_mode(config)))
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):
         instruments.append(DumpInstrument(config.get("debug.dump_dir"), state.dumps_written))

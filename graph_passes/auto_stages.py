@@ -78,7 +78,7 @@ from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 from epl.ir.graph_view import (VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs,
                                training_steps)
 from epl.ir.taskgraph import GraphState
-from epl.planner import cost_model
+from epl.planner import balance, cost_model
 from epl.profiles import get_profile
 from epl.ir import graph_mutation
 
@@ -186,93 +186,12 @@ def _crossings(ordered: list) -> list[list[tf.Tensor]]:
     return result
 
 
-def _best_cuts(costs: list[float], allowed: list[int], crossing: list[int],
-               num_stages: int, speeds: list[float] | None = None) -> list[int] | None:
-    """K - 1 cut positions from `allowed` minimising (max stage time, total crossing).
-
-    A cut at position p ends a stage after op p. best[j][e] is the best
-    (max stage time, crossing, previous cut index) of j + 1 stages whose last
-    one ends at allowed[e]; stage j's time is its cost / speeds[j].
-    """
-    speeds = speeds or [1.0] * num_stages
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    n = len(costs)
-
-    def span(start: int, end: int) -> float:  # cost of ops start+1 .. end
-        return prefix[end + 1] - prefix[start + 1]
-
-    best: list[dict[int, tuple]] = [{e: (prefix[p + 1] / speeds[0], 0, None)
-                                     for e, p in enumerate(allowed)}]
-    for j in range(1, num_stages - 1):
-        layer = {}
-        for e, p in enumerate(allowed):
-            options = [(max(value[0], span(allowed[d], p) / speeds[j]),
-                        value[1] + crossing[allowed[d]], d)
-                       for d, value in best[j - 1].items() if d < e]
-            if options:
-                layer[e] = min(options)
-        best.append(layer)
-    last = num_stages - 1
-    final = [(max(value[0], span(allowed[d], n - 1) / speeds[last]),
-              value[1] + crossing[allowed[d]], d)
-             for d, value in best[num_stages - 2].items()]
-    if not final:
-        return None
-    d = min(final)[2]
-    cuts = []
-    for j in range(num_stages - 2, -1, -1):
-        cuts.append(allowed[d])
-        d = best[j][d][2]
-    return sorted(cuts)
-
-
 def _stage_time(costs: list[float], cuts: list[int], speeds: list[float] | None) -> float:
     """The most expensive stage's time (cost / speed) when the stages end at `cuts`."""
     bounds = [-1] + cuts + [len(costs) - 1]
     speeds = speeds or [1.0] * (len(cuts) + 1)
     return max(sum(costs[bounds[i] + 1:bounds[i + 1] + 1]) / speeds[i]
                for i in range(len(cuts) + 1))
-
-
-def _preferred_cuts(costs: list[float], allowed: list[int], penalty: list[tuple],
-                    num_stages: int, speeds: list[float] | None,
-                    ceiling: float) -> list[int] | None:
-    """K - 1 cut positions from `allowed` minimising the sum of penalty[p] over the
-    cuts, every stage's time (cost / speed) at most `ceiling`; None if none fits."""
-    speeds = speeds or [1.0] * num_stages
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    n = len(costs)
-
-    def fits(start: int, end: int, stage: int) -> bool:  # ops start+1 .. end in `stage`
-        return (prefix[end + 1] - prefix[start + 1]) / speeds[stage] <= ceiling
-
-    def add(a: tuple, b: tuple) -> tuple:
-        return tuple(x + y for x, y in zip(a, b))
-
-    best: list[dict[int, tuple]] = [{e: (penalty[p], None) for e, p in enumerate(allowed)
-                                     if fits(-1, p, 0)}]
-    for j in range(1, num_stages - 1):
-        layer = {}
-        for e, p in enumerate(allowed):
-            options = [(add(value[0], penalty[p]), d) for d, value in best[j - 1].items()
-                       if d < e and fits(allowed[d], p, j)]
-            if options:
-                layer[e] = min(options)
-        best.append(layer)
-    final = [(value[0], d) for d, value in best[num_stages - 2].items()
-             if fits(allowed[d], n - 1, num_stages - 1)]
-    if not final:
-        return None
-    d = min(final)[1]
-    cuts = []
-    for j in range(num_stages - 2, -1, -1):
-        cuts.append(allowed[d])
-        d = best[j][d][1]
-    return sorted(cuts)
 
 
 def _choose_cuts(costs: list[float], counts: list[int], fan_out: list[int], num_stages: int,
@@ -286,15 +205,17 @@ def _choose_cuts(costs: list[float], counts: list[int], fan_out: list[int], num_
     def solve(limit: int):
         if limit not in solved:
             allowed = [p for p in range(len(costs) - 1) if 0 < counts[p] <= limit]
-            cuts = (_best_cuts(costs, allowed, counts, num_stages, speeds)
-                    if len(allowed) >= num_stages - 1 else None)
+            bounds = balance.min_max_partition(
+                costs, num_stages, speeds=speeds, allowed_cuts=[p + 1 for p in allowed],
+                cut_weights=[counts[p] for p in allowed])
+            cuts = None if bounds is None else [end - 1 for _, end in bounds[:-1]]
             solved[limit] = (_stage_time(costs, cuts, speeds), allowed) if cuts else None
         return solved[limit]
 
     def chosen(result) -> list[int]:
         time, allowed = result
         penalty = [(counts[p], -fan_out[p]) for p in range(len(costs))]
-        return _preferred_cuts(costs, allowed, penalty, num_stages, speeds,
+        return balance.min_penalty_cuts(costs, allowed, penalty, num_stages, speeds,
                                time * (1 + NEAR_TIE))
 
     bound = max(sum(costs) / sum(speeds or [1.0] * num_stages),
@@ -404,14 +325,13 @@ def stage_speeds(num_stages: int, profiles: list | None) -> list[float] | None:
     """Relative FLOP/s of the device each stage runs on (the slowest over replicas).
 
     The plan gives replica r the devices r*K .. r*K+K-1 and, within them,
-    stage i the i-th by memory (epl.planner.plan.stage_device_order). None when
+    stage i the i-th by memory (epl.planner.balance.stage_device_order). None when
     the profiles are absent or all stages get the same speed.
     """
-    from epl.planner.plan import stage_device_order
     if not profiles or len(profiles) < num_stages:
         return None
     replicas = len(profiles) // num_stages
-    speeds = [min(profiles[r * num_stages + stage_device_order(
+    speeds = [min(profiles[r * num_stages + balance.stage_device_order(
         [p.memory_bytes for p in profiles[r * num_stages:(r + 1) * num_stages]])[i]].flops("float32")
         for r in range(replicas)) for i in range(num_stages)]
     if all(abs(s - speeds[0]) <= 1e-12 * speeds[0] for s in speeds):

@@ -9,7 +9,6 @@ import pytest
 from epl.errors import ClusterError
 from epl.planner import balance, plan
 from epl.planner.balance import min_max_partition, stage_device_order
-from graph_passes import auto_stages
 
 
 def _brute(costs, stages, speeds, cuts, weights, fits):
@@ -99,34 +98,6 @@ def test_partition_fits_and_too_few_cuts():
 def test_partition_bad_inputs(kwargs, message):
     with pytest.raises(ClusterError, match=message):
         min_max_partition([1.0, 1.0, 1.0], 2, **kwargs)
-
-
-def test_auto_stages_dp_agrees_on_the_slowest_stage_and_crosses_no_more():
-    """graph_passes/auto_stages.py's own DP (`_best_cuts`, to be replaced by a
-    call to min_max_partition; delete this test then): the same slowest
-    stage, and never more crossing tensors."""
-    rng = random.Random(7)
-    for _ in range(200):
-        n = rng.randint(3, 12)
-        stages = rng.randint(2, min(n, 4))
-        costs = [float(rng.randint(1, 5)) for _ in range(n)]
-        counts = [rng.randint(1, 4) for _ in range(n)]
-        allowed = sorted(rng.sample(range(n - 1), rng.randint(stages - 1, n - 1)))
-        speeds = [rng.choice([1.0, 0.5]) for _ in range(stages)]
-        theirs = auto_stages._best_cuts(costs, allowed, counts, stages, speeds)
-        bounds = min_max_partition(costs, stages, speeds=speeds,
-                                   allowed_cuts=[p + 1 for p in allowed],
-                                   cut_weights=[counts[p] for p in allowed])
-        ours = [b - 1 for _, b in bounds[:-1]]
-        cuts = [p + 1 for p in allowed]
-        weights = [counts[p] for p in allowed]
-        their_bounds = list(zip([0] + [p + 1 for p in theirs],
-                                [p + 1 for p in theirs] + [n]))
-        k_ours = _key(costs, bounds, speeds, cuts, weights)
-        k_theirs = _key(costs, their_bounds, speeds, cuts, weights)
-        assert k_ours[0] == k_theirs[0]
-        assert k_ours[1] <= k_theirs[1]
-        assert len(ours) == stages - 1
 
 
 def test_stage_device_order_memory_then_speed_then_index():

@@ -875,3 +875,48 @@ def _subtract_runs(runs: tuple, taken: tuple) -> tuple:
         elif end < b:
             out.append((end, b))
     return tuple(out)
+
+
+def min_penalty_cuts(costs: list[float], allowed: list[int], penalty: list[tuple],
+                    num_stages: int, speeds: list[float] | None,
+                    ceiling: float) -> list[int] | None:
+    """K - 1 cut positions from `allowed` minimising the sum of penalty[p] over the
+    cuts, every stage's time (cost / speed) at most `ceiling`; None if none fits.
+
+    The tie-break of automatic stages (graph_passes/auto_stages.py): among the
+    partitions within a tolerance of `min_max_partition`'s slowest stage, the one
+    whose cuts cost least (penalties are tuples, compared in order). A cut at
+    position p ends a stage after position p; stage j's time is its cost / speeds[j].
+    """
+    speeds = speeds or [1.0] * num_stages
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    n = len(costs)
+
+    def fits(start: int, end: int, stage: int) -> bool:  # ops start+1 .. end in `stage`
+        return (prefix[end + 1] - prefix[start + 1]) / speeds[stage] <= ceiling
+
+    def add(a: tuple, b: tuple) -> tuple:
+        return tuple(x + y for x, y in zip(a, b))
+
+    best: list[dict[int, tuple]] = [{e: (penalty[p], None) for e, p in enumerate(allowed)
+                                     if fits(-1, p, 0)}]
+    for j in range(1, num_stages - 1):
+        layer = {}
+        for e, p in enumerate(allowed):
+            options = [(add(value[0], penalty[p]), d) for d, value in best[j - 1].items()
+                       if d < e and fits(allowed[d], p, j)]
+            if options:
+                layer[e] = min(options)
+        best.append(layer)
+    final = [(value[0], d) for d, value in best[num_stages - 2].items()
+             if fits(allowed[d], n - 1, num_stages - 1)]
+    if not final:
+        return None
+    d = min(final)[1]
+    cuts = []
+    for j in range(num_stages - 2, -1, -1):
+        cuts.append(allowed[d])
+        d = best[j][d][1]
+    return sorted(cuts)
