@@ -75,18 +75,7 @@ def _unknown_batch_copy(view, targets: set):
     stand_ins: dict = {}
 
     def stand_in(tensor: tf.Tensor, unknown_rows: bool) -> str:
-        if tensor not in stand_ins:
-            node = graph_def.node.add()
-            node.name = f"EPL_SCRATCH_INPUT/{len(stand_ins)}"
-            node.op = "Placeholder"
-            node.attr["dtype"].type = tensor.dtype.base_dtype.as_datatype_enum
-            if tensor.shape.rank is not None:
-                shape = tensor.shape.as_list()
-                if unknown_rows and shape:
-                    shape[0] = None
-                node.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
-            stand_ins[tensor] = node.name
-        return stand_ins[tensor]
+        return scratch_placeholder(graph_def, stand_ins, tensor, unknown_rows)
 
     for op in sorted(keep, key=lambda o: o._id):
         node = graph_def.node.add()
@@ -226,3 +215,23 @@ class SplitBoundary:
                 value = tf.concat(copies, axis=self.axes.get(tensor, 0))
         self._cache[key] = value
         return value
+
+
+def scratch_placeholder(graph_def, stand_ins: dict, tensor: tf.Tensor, unknown_rows: bool = False,
+                        rows_axis: int = 0) -> str:
+    """The name of a placeholder in `graph_def` (a scratch graph for shape inference)
+    standing in for `tensor`, a tensor outside the imported region: added on first
+    use and remembered in `stand_ins` (tensor -> name). With unknown_rows its
+    `rows_axis` is unknown."""
+    if tensor not in stand_ins:
+        node = graph_def.node.add()
+        node.name = f"EPL_SCRATCH_INPUT/{len(stand_ins)}"
+        node.op = "Placeholder"
+        node.attr["dtype"].type = tensor.dtype.base_dtype.as_datatype_enum
+        if tensor.shape.rank is not None:
+            shape = tensor.shape.as_list()
+            if unknown_rows and shape:
+                shape[rows_axis] = None
+            node.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+        stand_ins[tensor] = node.name
+    return stand_ins[tensor]

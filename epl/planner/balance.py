@@ -278,12 +278,7 @@ def proportional_shares(total: int, capabilities: Sequence[float],
     """
     caps_f = _capabilities(capabilities)
     n = len(caps_f)
-    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
-        raise ClusterError(f"the total to share must be a non-negative int, "
-                           f"got {total!r}")
-    if minimum * n > total:
-        raise ClusterError(f"cannot give {n} devices at least {minimum} "
-                           f"each out of {total}")
+    _check_total(total, minimum, n)
     caps, caps_den = _integers(caps_f)
     if fixed_time is not None and any(fixed_time):
         if minimum:
@@ -796,12 +791,7 @@ def grouped_proportional_shares(total: int, capabilities: Sequence[float],
     caps_f = _capabilities(capabilities)
     counts = [sum(b - a for a, b in runs) for runs in members]
     n = sum(counts)
-    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
-        raise ClusterError(f"the total to share must be a non-negative int, "
-                           f"got {total!r}")
-    if minimum * n > total:
-        raise ClusterError(f"cannot give {n} devices at least {minimum} "
-                           f"each out of {total}")
+    _check_total(total, minimum, n)
     caps, caps_den = _integers(caps_f)
     groups = range(len(caps))
     if fixed_time is not None and any(fixed_time):
@@ -920,3 +910,14 @@ def min_penalty_cuts(costs: list[float], allowed: list[int], penalty: list[tuple
         cuts.append(allowed[d])
         d = best[j][d][1]
     return sorted(cuts)
+
+
+def _check_total(total: int, minimum: int, n: int) -> None:
+    """Raise ClusterError unless `total` (a non-negative int) can give each of `n`
+    devices at least `minimum`."""
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        raise ClusterError(f"the total to share must be a non-negative int, "
+                           f"got {total!r}")
+    if minimum * n > total:
+        raise ClusterError(f"cannot give {n} devices at least {minimum} "
+                           f"each out of {total}")

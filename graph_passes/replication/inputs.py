@@ -61,7 +61,7 @@ from epl.ir.annotations import Phase
 from epl.ir.clone import COLOCATION_ATTR, NodeBatch, copy_node_def
 from epl.ir.graph_view import (ITERATOR_OUTPUT_TYPES, PLACEHOLDER_TYPES, ancestors,
                                calls_functions, descendants)
-from epl.ir.split_boundary import batch_axes
+from epl.ir.split_boundary import batch_axes, scratch_placeholder
 
 BATCH_MODE_KEY = "io.batch_mode"
 REPLICA_MODE, GLOBAL_MODE = "replica", "global"
@@ -312,7 +312,7 @@ def _scratch_import(view, forward: list, rows: int):
             _slice_source(node, op, rows, graph_def, stand_ins)
         else:
             for tensor in op.inputs:
-                node.input.append(tensor.name if tensor.op.name in names else _stand_in(
+                node.input.append(tensor.name if tensor.op.name in names else scratch_placeholder(
                     graph_def, stand_ins, tensor, unknown_rows=tensor.op in split,
                     rows_axis=rows_axes.get(tensor, 0)))
         node.input.extend(f"^{c.name}" for c in op.control_inputs
@@ -326,24 +326,6 @@ def _scratch_import(view, forward: list, rows: int):
     return scratch, None
 
 
-def _stand_in(graph_def, stand_ins: dict, tensor: tf.Tensor, unknown_rows: bool = False,
-              rows_axis: int = 0) -> str:
-    """A placeholder standing in for `tensor` (outside the imported region); with
-    unknown_rows its `rows_axis` is unknown."""
-    if tensor not in stand_ins:
-        node = graph_def.node.add()
-        node.name = f"EPL_SCRATCH_INPUT/{len(stand_ins)}"
-        node.op = "Placeholder"
-        node.attr["dtype"].type = tensor.dtype.base_dtype.as_datatype_enum
-        if tensor.shape.rank is not None:
-            shape = tensor.shape.as_list()
-            if unknown_rows and shape:
-                shape[rows_axis] = None
-            node.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
-        stand_ins[tensor] = node.name
-    return stand_ins[tensor]
-
-
 def _slice_source(node, op: tf.Operation, rows: int, graph_def, stand_ins: dict) -> None:
     """Rewrite a batch input's NodeDef (inputs cleared) so its outputs have `rows` rows."""
     if op.type in PLACEHOLDER_TYPES:
@@ -354,7 +336,7 @@ def _slice_source(node, op: tf.Operation, rows: int, graph_def, stand_ins: dict)
         if node.attr["shape"].shape.dim:
             node.attr["shape"].shape.dim[0].size = rows
     elif op.type in ("IteratorGetNext", "IteratorGetNextSync"):
-        node.input.append(_stand_in(graph_def, stand_ins, op.inputs[0]))
+        node.input.append(scratch_placeholder(graph_def, stand_ins, op.inputs[0]))
         for shape in node.attr["output_shapes"].list.shape:
             if shape.dim:
                 shape.dim[0].size = rows
