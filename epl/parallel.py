@@ -75,7 +75,7 @@ def run_gradient_time_pipeline(graph: tf.Graph, loss: tf.Tensor) -> None:
             plans[taskgraph.name] = SplitPlan(tuple(devs),
                                               None if weights is None else tuple(weights))
     ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
-                      artifacts={"split_loss": loss, "split_plans": plans})
+                      split_loss=loss, split_plans=plans)
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):
         instruments.append(DumpInstrument(config.get("debug.dump_dir")))
@@ -244,12 +244,13 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     run_passes(graph, ctx, training_pipeline(), instruments)
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
         check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
-    replication = ctx.artifacts["replicate"]
+    replication = ctx.replication
     result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
-                           dict(replication.sync_ops), dict(ctx.timings),
+                           {**replication.sync_ops, **(ctx.zero.sync_ops if ctx.zero else {})},
+                           dict(ctx.timings),
                            float(config.get("communication.collective_timeout_s")),
-                           ctx.artifacts.get("gradient_check"))
-    zero = ctx.artifacts.get("zero")
+                           ctx.gradient_check)
+    zero = ctx.zero
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)

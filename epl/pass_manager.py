@@ -3,7 +3,8 @@
 A pass is a class with `name`, `requires` (passes that must have run before
 it), `enabled(config)` (whether the config asks for it) and
 `run(graph, ctx) -> PassResult`. Passes keep no state: what one pass
-hands to the next goes into `ctx.artifacts` under the producing pass's name.
+hands to the next goes into its own field of the PassContext (`ctx.replication`,
+`ctx.amp`, ...), which no other pass writes.
 The manager checks every pass's `requires` before running anything, runs the
 instruments before and after each pass (dump, timing, invariant checks), and
 turns a failure into a PassError that names the pass and the passes before it.
@@ -37,14 +38,29 @@ class PassResult:
 
 @dataclasses.dataclass
 class PassContext:
-    """Everything a pass may read: config, plan, cluster, analysis, artifacts."""
+    """Everything a pass may read: config, plan, cluster, analysis, and the results of
+    the passes before it (typed fields, one per result)."""
 
     config: Any
     plan: Any
     cluster: Any
     view: Any
     communicator: Any
-    artifacts: dict = dataclasses.field(default_factory=dict)
+    # What the passes hand on, one field per result, each written by one pass only and
+    # read by the passes after it (None until its pass ran, or when it is off):
+    replication: Any = None     # replicate: a Replication (graph_passes/replication/result.py)
+    gradient_check: Any = None  # replicate: (plain, checkpointed) gradients of replica 0
+    amp: Any = None             # amp: an AmpRewrite (graph_passes/amp.py)
+    schedule: Any = None        # schedule: a ScheduleLowering (graph_passes/schedule.py)
+    zero: Any = None            # zero: a ZeroSharding (graph_passes/zero.py)
+    reduced: Any = None         # gradient_comm: gradient tensor -> its reduced tensor
+    # gradient time (the split pass): its inputs, set by the driver, and its records
+    split_loss: Any = None      # the loss compute_gradients was given
+    split_plans: Any = None     # TaskGraph name -> SplitPlan
+    split_records: Any = None   # split: a SplitRecord per TaskGraph it split
+    # pass name -> what its validate() returned: its analysis of the graph as the user
+    # built it, which only that pass's run() reads
+    validated: dict = dataclasses.field(default_factory=dict)
     timings: dict = dataclasses.field(default_factory=dict)
     passes_run: list = dataclasses.field(default_factory=list)
     passes_off: list = dataclasses.field(default_factory=list)  # not enabled by the config
@@ -66,11 +82,12 @@ class GraphPass(abc.ABC):
         """True if `config` asks for this pass (default: always)."""
         return True
 
-    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+    def validate(self, graph: tf.Graph, ctx: PassContext) -> Any:
         """Raise an EPLError if this pass cannot run on `graph` (changes nothing).
 
         The manager validates every pass before running any, so bad input is
-        reported before the graph is touched.
+        reported before the graph is touched. What it returns (its analysis of the
+        untouched graph, or None) is `ctx.validated[name]` for this pass's run().
         """
 
     @abc.abstractmethod
@@ -205,7 +222,7 @@ class PassManager:
             if not graph_pass.enabled(ctx.config):
                 continue
             try:
-                graph_pass.validate(graph, ctx)
+                ctx.validated[graph_pass.name] = graph_pass.validate(graph, ctx)
             except EPLError as err:
                 raise PassError(f"pass {graph_pass.name!r} rejected the graph before any "
                                 f"rewrite: {err}") from err

@@ -160,7 +160,7 @@ class AmpPass(GraphPass):
         self._update_view(view, replacement)
         setting = loss_scale_setting(config)
         scale, scale_var, good_var = self._loss_scale(graph, view, setting, ctx.cluster.host_device)
-        ctx.artifacts[self.name] = AmpRewrite(dtype, scale, scale_var, good_var, converted, fallbacks)
+        ctx.amp = AmpRewrite(dtype, scale, scale_var, good_var, converted, fallbacks)
         notes = [f"{len(converted)} ops in {dtype.name}, loss scale {setting}"]
         notes += fallbacks
         return PassResult(added=[o.name for ops in replacement.values() for o in ops],

@@ -114,7 +114,7 @@ class GradientCommPass(GraphPass):
     requires = ("replicate", "zero")  # skips the gradients ZeRO reduce-scattered itself
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        replication = ctx.artifacts["replicate"]
+        replication = ctx.replication
         config = ctx.config
         method = config.get("communication.gradients_reduce_method")
         if replication.presummed:  # gradients already weighted by batch share (split models)
@@ -122,7 +122,7 @@ class GradientCommPass(GraphPass):
         even = ctx.plan.even and ctx.communicator.num_workers == 1
         fp16_scale = float(config.get("communication.fp16_scale")) if config.get("communication.fp16") else None
         first_new = len(graph.get_operations())
-        zero = ctx.artifacts.get("zero")  # gradients ZeRO reduce-scattered itself
+        zero = ctx.zero  # gradients ZeRO reduce-scattered itself
         sharded = zero.reduced if zero is not None else {}
         per_gradient = [entry for entry in replication.gradients if entry[0].name not in sharded]
         needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
@@ -161,7 +161,7 @@ class GradientCommPass(GraphPass):
                 if isinstance(grads[0], tf.IndexedSlices):
                     _rewire_sparse(original, grads[0].values, grads[0].indices)
         reduced_of.update(sharded)
-        ctx.artifacts[self.name] = reduced_of
+        ctx.reduced = reduced_of
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{len(per_gradient)} gradients in {len(buckets)} buckets ({method}"

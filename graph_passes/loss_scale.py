@@ -68,10 +68,10 @@ class LossScalePass(GraphPass):
         return bool(config.get("amp.level"))
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        amp = ctx.artifacts.get("amp")
+        amp = ctx.amp
         if amp is None or amp.scale is None:
             return PassResult(notes=["no loss scaling"])
-        replication = ctx.artifacts["replicate"]
+        replication = ctx.replication
         before = set(graph.get_operations())
         replicas = len(replication.gradients[0][1]) if replication.gradients else 0
         with tf.device(ctx.cluster.host_device), tf.name_scope(SCOPE):
@@ -134,7 +134,7 @@ class LossScalePass(GraphPass):
     def _guard_updates(graph, ctx, finite, amp) -> int:
         """Run each update op of the step under tf.cond(finite of its replica)."""
         global_step = tf.compat.v1.train.get_global_step(graph)
-        replication = ctx.artifacts["replicate"]
+        replication = ctx.replication
         counters = set()
         if global_step is not None:
             counters = {m.outputs[0] for m in replication.mirrors.get(global_step.op, [global_step.op])}

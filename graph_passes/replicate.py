@@ -43,7 +43,7 @@ op needs reads them), while the variables and the update ops stay the
 originals. This departs from DESIGN.md's "original ops remain replica 0" only
 for the forward/backward ops.
 
-Artifacts for the next passes (ctx.artifacts["replicate"], a Replication):
+Result for the next passes (ctx.replication, a Replication):
 the per-replica (accumulated) copy of every gradient and each replica's
 weight, the merged fetches, the sync ops, the feeds to redirect and, for the
 schedule pass, the forward copies and backward ops of every unit.
@@ -103,7 +103,9 @@ class ReplicatePass(GraphPass):
     name = "replicate"
     requires = ("annotate", "amp")  # copies AMP's casts; reads whether it ran
 
-    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+    def validate(self, graph: tf.Graph, ctx: PassContext):
+        """Checks the batch and the split layout; returns the tensors gradient
+        checkpointing keeps (run() reads them)."""
         view, plan, config = ctx.view, ctx.plan, ctx.config
         split_connection.check_split_supported(view, config)
         micro, mode = num_micro_batches(config), batch_inputs.batch_mode(config)
@@ -111,7 +113,7 @@ class ReplicatePass(GraphPass):
         if mode == batch_inputs.GLOBAL_MODE and sizes is not None:
             batch_inputs.check_sliced_shapes(view, [s // micro for s in sizes])
         # raises for an empty or off-path collection; run() reuses the selection
-        ctx.artifacts["checkpoints"] = select_checkpoints(view, config)
+        return select_checkpoints(view, config)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         before = set(graph.get_operations())
@@ -129,7 +131,7 @@ class ReplicatePass(GraphPass):
         view, plan, config = ctx.view, ctx.plan, ctx.config
         micro, mode = num_micro_batches(config), batch_inputs.batch_mode(config)
         sizes = batch_inputs.check_batch(view, plan, micro, mode)
-        checkpoints = ctx.artifacts.get("checkpoints")
+        checkpoints = ctx.validated.get(ReplicatePass.name)
         if checkpoints is None:
             checkpoints = select_checkpoints(view, config)
         # inputs before readers: creation order is not enough once autodiff added inputs
@@ -185,7 +187,7 @@ class ReplicatePass(GraphPass):
                         ctx.config.get("gradient_checkpoint.check_gradients"):
                     # gradients without checkpointing, never run by the train op: the
                     # session compares them with the checkpointed ones before step 1
-                    ctx.artifacts["gradient_check"] = (copies.regenerate_gradients(
+                    ctx.gradient_check = (copies.regenerate_gradients(
                         view, plan, unit, micro, forward_copies[unit], mirrors), per_micro[-1])
             accumulated, accumulate_ops = accumulate(per_micro, k, setup.inputs.micro_scales[k])
             gradients.append(accumulated)
@@ -249,7 +251,7 @@ class ReplicatePass(GraphPass):
                            if var in split_vars and grad is not None]
         loss_copies = {unit: [fmap[t.op].outputs[t.value_index] for t in view.losses
                               if t.op in fmap] for unit, fmap in forward_copies.items()}
-        ctx.artifacts[ReplicatePass.name] = Replication(
+        ctx.replication = Replication(
             per_gradient, unit_inputs.replica_weights, merged, syncs, mirrors, replica_maps,
             micro, forward_copies, built.backward_ops, loss_copies, built.presummed,
             split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws))

@@ -32,7 +32,7 @@ Bad input, checked before any rewrite (`validate`): a forward op of a stage
 reading a forward tensor of a later stage (the stages would form a cycle).
 After the rewrite the pass checks that the graph is still acyclic.
 
-Artifact (ctx.artifacts["schedule"]): a `ScheduleLowering`.
+Result (ctx.schedule): a `ScheduleLowering`.
 """
 from __future__ import annotations
 
@@ -173,12 +173,12 @@ class SchedulePass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         view, plan = ctx.view, ctx.plan
-        replication = ctx.artifacts["replicate"]
+        replication = ctx.replication
         stages = {tg.name: tg.index for tg in view.taskgraphs}
         num_stages, micro = len(view.taskgraphs), replication.num_micro_batches
         boundaries = stage_boundaries(replication.forward_copies.get((0, 0), {}), stages)
         if num_stages == 1 and micro == 1:
-            ctx.artifacts[self.name] = ScheduleLowering(None, {}, {}, boundaries)
+            ctx.schedule = ScheduleLowering(None, {}, {}, boundaries)
             return PassResult(notes=["one stage and one micro-batch: nothing to schedule"])
         strategy = ctx.config.get("pipeline.strategy")
         schedule = make_schedule(strategy, num_stages, micro)
@@ -199,7 +199,7 @@ class SchedulePass(GraphPass):
                         graph_mutation.add_control_inputs(op, [barrier])
                     barriers[(k, before, after)] = barrier
         check_acyclic(graph)
-        ctx.artifacts[self.name] = ScheduleLowering(schedule, step_ops, barriers, boundaries)
+        ctx.schedule = ScheduleLowering(schedule, step_ops, barriers, boundaries)
         added = [op.name for op in graph.get_operations()[before_ops:]]
         notes = [f"{strategy}: {num_stages} stage(s) x {micro} micro-batch(es), "
                  f"{len(barriers)} schedule edges over {plan.num_replicas} replica(s)"]

@@ -1171,9 +1171,9 @@ def _softmax_ce(rw: _Rewriter, op, layouts):
 class SplitPass(GraphPass):
     """Rewrites each split TaskGraph's forward ops into per-device ops (gradient time).
 
-    ctx.artifacts["split_plans"]: TaskGraph name -> SplitPlan (set by the caller).
-    ctx.artifacts["split_loss"]: the loss compute_gradients was given.
-    Records a SplitRecord per TaskGraph in ctx.artifacts["split"] (a list).
+    ctx.split_plans: TaskGraph name -> SplitPlan (set by the caller).
+    ctx.split_loss: the loss compute_gradients was given.
+    Records a SplitRecord per TaskGraph in ctx.split_records (a list).
     """
 
     name = "split"
@@ -1181,8 +1181,8 @@ class SplitPass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         state = graph_state(graph)
-        loss = ctx.artifacts["split_loss"]
-        plans = ctx.artifacts["split_plans"]
+        loss = ctx.split_loss
+        plans = ctx.split_plans
         before = set(graph.get_operations())
         path = ancestors([loss.op])
         done = {record.taskgraph for record in state.splits}
@@ -1224,7 +1224,7 @@ class SplitPass(GraphPass):
                          + (f"; kept whole: {'; '.join(record.unsharded)}"
                             if record.unsharded else ""))
         state.splits.extend(records)
-        ctx.artifacts[self.name] = records
+        ctx.split_records = records
         added = [op.name for op in graph.get_operations() if op not in before]
         replaced = sorted(op.name for record in records for op in record.replaced)
         if replaced:  # they stay in the graph (TensorFlow cannot delete ops) and never run

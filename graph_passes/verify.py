@@ -153,8 +153,8 @@ def _unsorted(ops: list, preds: dict) -> list:
 
 def check_one_reduction_per_gradient(ctx: PassContext) -> None:
     """Each trainable gradient is reduced exactly once."""
-    replication = ctx.artifacts.get("replicate")
-    reduced = ctx.artifacts.get("gradient_comm")
+    replication = ctx.replication
+    reduced = ctx.reduced
     if replication is None or reduced is None:
         return
     missing = [var for var, _, _ in replication.gradients if var.name not in reduced]
@@ -167,7 +167,7 @@ def check_no_template_work(ctx: PassContext, preds: dict | None = None) -> None:
 
     preds: `predecessors(graph)` where the caller has it.
     """
-    replication = ctx.artifacts.get("replicate")
+    replication = ctx.replication
     if replication is None:
         return
     template = set(replication.replica_maps[0]) | {

@@ -83,12 +83,15 @@ class ZeroSharding:
       variable itself).
     gather_ops: original slot variable op -> op that gathers its shards into it.
     num_shards: N, the data-parallel replicas over all workers.
+    sync_ops: original slot variable op -> op that writes it into its shards (the
+      session runs it after a restore, beside the replicate pass's sync ops).
     """
 
     reduced: dict
     shards: dict
     gather_ops: dict
     num_shards: int
+    sync_ops: dict = dataclasses.field(default_factory=dict)
 
 
 def _is_apply(op: tf.Operation) -> bool:
@@ -203,23 +206,24 @@ class ZeroPass(GraphPass):
         """zero.level is set."""
         return bool(config.get("zero.level"))
 
-    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
-        # run() reuses this analysis of the template
-        ctx.artifacts["zero_entries"] = _check(ctx.view, ctx.config)
+    def validate(self, graph: tf.Graph, ctx: PassContext):
+        """The variables to shard, from the template (run() reads them: after the
+        replicate pass the gradients no longer feed the updates directly)."""
+        return _check(ctx.view, ctx.config)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        replication = ctx.artifacts["replicate"]
+        replication = ctx.replication
         comm = ctx.communicator
         replicas, workers = ctx.plan.num_replicas, comm.num_workers
         total = replicas * workers
         if total == 1:
-            ctx.artifacts[self.name] = ZeroSharding({}, {}, {}, 1)
+            ctx.zero = ZeroSharding({}, {}, {}, 1)
             get_logger(__name__).warning(
                 "zero.level %r: one data-parallel replica in all, nothing to shard.",
                 ctx.config.get("zero.level"))
             return PassResult(notes=["one data-parallel replica: nothing to shard"])
         rank = comm.worker_rank
-        entries = ctx.artifacts.get("zero_entries") or _check(ctx.view, ctx.config)
+        entries = ctx.validated[self.name]
         split_vars = set(ctx.view.split_variables)   # already sharded by epl.split: left alone
         entries = [entry for entry in entries if entry[1] not in split_vars]
         grads_of = {var: grads for var, grads, _ in replication.gradients}
@@ -244,10 +248,10 @@ class ZeroPass(GraphPass):
         for slot, shards in slot_shards.items():
             sync, gather = self._checkpoint_ops(slot, shards, comm, ctx.cluster.host_device,
                                                 rank, replicas, workers)
-            replication.sync_ops[slot] = sync
+            result.sync_ops[slot] = sync
             result.gather_ops[slot] = gather
             _to_host(slot, ctx.cluster.host_device)  # the checkpoint copy
-        ctx.artifacts[self.name] = result
+        ctx.zero = result
         added = [op.name for op in graph.get_operations() if op not in before]
         return PassResult(added=added, notes=[
             f"{len(entries)} variables: optimizer state and update sharded over {total} replicas "

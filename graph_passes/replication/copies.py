@@ -167,7 +167,7 @@ def copy_templates(view, plan, ctx, checkpoints, units, micro, forward_copies, s
     Returns ({unit: (its gradients, its backward ops)}, [why autodiff is needed
     for the other units]).
     """
-    why_not = TemplateBackward.unusable(view, view.steps, ctx.artifacts.get("amp") is not None,
+    why_not = TemplateBackward.unusable(view, view.steps, ctx.amp is not None,
                                         checkpoints)
     if why_not:
         return {}, [why_not]

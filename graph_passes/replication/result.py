@@ -1,7 +1,7 @@
 """The values the replicate pass's modules hand each other, and its artifact.
 
 `Setup` (input and variables, built first), `Copies` (what the path with or
-without split TaskGraphs built) and `Replication` (ctx.artifacts["replicate"],
+without split TaskGraphs built) and `Replication` (ctx.replication,
 what the passes after it read).
 """
 from __future__ import annotations

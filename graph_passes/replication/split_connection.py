@@ -245,7 +245,7 @@ def connect(ctx, setup):
         # compares them with the checkpointed ones before the first step
         plain, _ = global_gradients(view, plan, step, forward_copies, weights, setup.mirrors,
                                     multi_worker)
-        ctx.artifacts["gradient_check"] = (plain[0], gradients[0])
+        ctx.gradient_check = (plain[0], gradients[0])
     return Copies(forward_copies, gradients, {(0, 0): backward}, [note], presummed=True)
 
 
