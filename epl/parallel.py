@@ -215,7 +215,9 @@ def pass_context(graph: tf.Graph, state, replica_weights: list[float] | None = N
     if config.get("debug.check_invariants"):
         instruments.append(InvariantInstrument())
     communicator = make_communicator(cluster, config)
-    return PassContext(config, plan, cluster, view, communicator), instruments
+    # what the split pass did at gradient time (kept on the graph between the two times)
+    return PassContext(config, plan, cluster, view, communicator,
+                       split_records=list(state.splits)), instruments
 
 
 def run_passes(graph: tf.Graph, ctx: PassContext, passes: list, instruments: list,

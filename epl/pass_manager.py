@@ -57,7 +57,8 @@ class PassContext:
     # gradient time (the split pass): its inputs, set by the driver, and its records
     split_loss: Any = None      # the loss compute_gradients was given
     split_plans: Any = None     # TaskGraph name -> SplitPlan
-    split_records: Any = None   # split: a SplitRecord per TaskGraph it split
+    split_records: Any = None   # split: a SplitRecord per TaskGraph it split (the
+    #                             training passes get the graph's, from the driver)
     # pass name -> what its validate() returned: its analysis of the graph as the user
     # built it, which only that pass's run() reads
     validated: dict = dataclasses.field(default_factory=dict)

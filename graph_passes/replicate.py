@@ -232,7 +232,7 @@ class ReplicatePass(GraphPass):
         units = [forward_copies[(k, m)] for k in range(replicas) for m in range(micro)]
         merged = merge_fetches(graph, view, units, unit_inputs.unit_weights, setup.devices,
                                ctx.communicator)
-        spanning = split_connection.spanning_groups(graph)
+        spanning = split_connection.spanning_groups(ctx.split_records)
         local_split = [v for v in view.split_variables
                        if view.taskgraph_of[v].name not in spanning]
         if view.split_ops and workers > 1:

@@ -37,7 +37,6 @@ from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_input
 from epl.ir.graph_view import colocation_root, topological_order
 from epl.ir.split_boundary import SplitBoundary
-from epl.ir.taskgraph import graph_state
 from graph_passes.replication import copies, inputs as batch_inputs
 from graph_passes.replication.result import Copies
 from epl.ir import graph_mutation
@@ -191,9 +190,10 @@ def tag_global_backward(ops, fallback_device: str) -> None:
         graph_mutation.set_device(op, source.device or fallback_device)
 
 
-def spanning_groups(graph: tf.Graph) -> set:
-    """Names of the split TaskGraphs that span every worker."""
-    return {r.taskgraph for r in graph_state(graph).splits if r.spans_workers}
+def spanning_groups(records) -> set:
+    """Names of the split TaskGraphs that span every worker (records: the split
+    pass's SplitRecords, ctx.split_records)."""
+    return {r.taskgraph for r in records if r.spans_workers}
 
 
 def connect(ctx, setup):
@@ -203,11 +203,10 @@ def connect(ctx, setup):
     Returns the replicate pass's `Copies`.
     """
     view, plan = ctx.view, ctx.plan
-    graph = view.graph
     replicas = plan.num_replicas
     units = [(k, 0) for k in range(replicas)]
-    records = graph_state(graph).splits
-    spanning = spanning_groups(graph)
+    records = ctx.split_records
+    spanning = spanning_groups(records)
     first_stage = view.taskgraphs[0]
     weights = setup.inputs.replica_weights
     if setup.mode == batch_inputs.REPLICA_MODE:
