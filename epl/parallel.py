@@ -242,8 +242,9 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
     start = time.perf_counter()
     ctx, instruments = pass_context(graph, state, replica_weights)
-    config, cluster, plan, view = ctx.config, ctx.cluster, ctx.plan, ctx.view
+    config, cluster, plan = ctx.config, ctx.cluster, ctx.plan
     run_passes(graph, ctx, training_pipeline(), instruments)
+    view = ctx.view   # the amp pass hands on a view with its lowered ops
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
         check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
     replication = ctx.replication

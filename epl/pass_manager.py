@@ -44,7 +44,7 @@ class PassContext:
     config: Any
     plan: Any
     cluster: Any
-    view: Any
+    view: Any  # the analysis (TrainingView); the amp pass hands on a new one with its ops
     communicator: Any
     # What the passes hand on, one field per result, each written by one pass only and
     # read by the passes after it (None until its pass ran, or when it is off):

@@ -157,7 +157,7 @@ class AmpPass(GraphPass):
             converted[op] = replacement[op][-2]
             if config.get("amp.debug_log"):
                 _LOG.info("amp: %s (%s) runs in %s", op.name, op.type, dtype.name)
-        self._update_view(view, replacement)
+        view = ctx.view = self._lowered_view(view, replacement)
         setting = loss_scale_setting(config)
         scale, scale_var, good_var = self._loss_scale(graph, view, setting, ctx.cluster.host_device)
         ctx.amp = AmpRewrite(dtype, scale, scale_var, good_var, converted, fallbacks)
@@ -203,19 +203,24 @@ class AmpPass(GraphPass):
         return new_ops
 
     @staticmethod
-    def _update_view(view, replacement: dict) -> None:
-        """The lowered ops take the place of the ops they replace in the view."""
+    def _lowered_view(view, replacement: dict):
+        """A new TrainingView in which the lowered ops take the place of the ops they
+        replace (the passes after this one read it as ctx.view); the driver's analysis
+        itself is left as it was."""
         ops = []
+        phase_of, taskgraph_of, step_ops = dict(view.phase_of), dict(view.taskgraph_of), \
+            set(view.step_ops)
         for op in view.replica_ops:
             if op in replacement:
                 for new in replacement[op]:
-                    view.phase_of[new] = Phase.FORWARD
-                    view.taskgraph_of[new] = view.taskgraph_of[op]
-                    view.step_ops.add(new)
+                    phase_of[new] = Phase.FORWARD
+                    taskgraph_of[new] = view.taskgraph_of[op]
+                    step_ops.add(new)
                 ops.extend(replacement[op])
             else:
                 ops.append(op)
-        view.replica_ops[:] = ops
+        return dataclasses.replace(view, phase_of=phase_of, taskgraph_of=taskgraph_of,
+                                   step_ops=step_ops, replica_ops=ops)
 
     @staticmethod
     def _loss_scale(graph, view, setting, host):
