@@ -386,3 +386,30 @@ def test_comm_time_ring_all_reduce():
     assert cm.comm_time(1e9, 1e10, 4) == pytest.approx(2 * 3 / 4 * 0.1)
     assert cm.comm_time(1e9, 1e10, 1) == 0
     assert cm.comm_time(0, 1e10, 3, latency=1e-5) == pytest.approx(4e-5)
+
+
+# ------------------------------------------------------- per-op overhead --
+
+def test_op_overhead_time_and_gpu_profiles_unaffected():
+    cpu = get_profile("Slow", {"Slow": {"base": "A10", "op_overhead_s": "5us"}})
+    assert cm.op_overhead_time(1000, cpu) == pytest.approx(5e-3)
+    assert cm.op_overhead_time(0, cpu) == 0.0
+    assert cm.op_overhead_time(1000, get_profile("A10")) == 0.0
+
+
+def test_step_time_adds_op_overhead_and_collective_latency():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import plan_cluster
+    from epl.profiles import HostSpec
+    layer = LayerSpec("l", flops_per_example=1e6, bytes_per_example=1e4,
+                      parameter_bytes=1e6, ops_per_step=400)
+    model = ModelSpec("m", (layer,), optimizer="sgd")
+    base = get_profile("A10")
+    slow = base.with_overrides(name="A10-slow", op_overhead_s=1e-5,
+                               collective_latency_s=1e-4)
+    plain = plan_cluster(model, [HostSpec(base, 2)], global_batch=8)
+    costly = plan_cluster(model, [HostSpec(slow, 2)], global_batch=8)
+    name = "data-parallel, even split"
+    extra = costly.alternative(name).step_time - plain.alternative(name).step_time
+    # 400 ops x 10 us, and one all-reduce's 2 (n - 1) = 2 ring steps x 100 us.
+    assert extra == pytest.approx(400 * 1e-5 + 2 * 1e-4, rel=1e-6)

@@ -48,6 +48,7 @@ class _Totals:
     alltoall: float
     largest_layer_params: float
     largest_layer_split_params: float
+    ops: float = 0.0
 
 
 def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
@@ -91,7 +92,8 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
         split_act=split_act, alltoall=total("alltoall_bytes_per_example"),
         largest_layer_params=max(l.parameter_bytes for l in layers),
         largest_layer_split_params=max(l.split_parameter_bytes
-                                       for l in layers))
+                                       for l in layers),
+        ops=total("ops_per_step"))
 
 
 # --------------------------------------------------------------------------
@@ -127,14 +129,16 @@ class _Context:
         """Bytes a plan may use on `device`."""
         return device.profile.memory_bytes * self.options.usable_fraction
 
-    def time(self, device: ClusterDevice, flops: float, nbytes: float
-             ) -> float:
-        """Roofline seconds of (flops, bytes) on `device`."""
+    def time(self, device: ClusterDevice, flops: float, nbytes: float,
+             ops: float = 0.0) -> float:
+        """Seconds of (flops, bytes) on `device`: the roofline, plus the
+        device's per-op overhead for `ops` ops (`cm.op_overhead_time`)."""
+        overhead = cm.op_overhead_time(ops, device.profile)
         if flops <= 0 and nbytes <= 0:
-            return 0.0
+            return overhead
         return cm.predict_time(cm.GroupCost(flops=flops, bytes=nbytes),
                                device.profile, self.dtype,
-                               self.options.efficiency)
+                               self.options.efficiency) + overhead
 
     def update_time(self, device: ClusterDevice, param_bytes: float) -> float:
         """Seconds of the optimizer update of `param_bytes` on `device`
@@ -169,6 +173,24 @@ def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
     if intra and min(intra) < network:
         return min(intra), "intra-node"
     return network, "inter-node"
+
+
+def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
+                    bandwidth: float, n: int | None = None) -> float:
+    """Seconds of one step's gradient all-reduce of `nbytes` over
+    `devices` (a ring at `bandwidth`, `cm.comm_time`), with the copies
+    around it: EPL fuses the gradients into one buffer (a concat in, a
+    split out: each reads and writes the buffer, at the slowest device's
+    memory bandwidth) and reduces it in one collective, whose ring steps
+    each pay the slowest device's `collective_latency_s`.  `n`: devices in
+    the ring, default len(devices) (`devices` may be one representative
+    per class of identical devices).  Zero on one device."""
+    n = len(devices) if n is None else n
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    latency = max(d.profile.collective_latency_s for d in devices)
+    copies = 4 * nbytes / min(d.profile.memory_bandwidth for d in devices)
+    return cm.comm_time(nbytes, bandwidth, n, latency) + copies
 
 
 def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
