@@ -205,7 +205,15 @@ def _graph_split_layer(key: Hashable, costs: _Measure,
         split_activation_bytes_per_example=memory[False].per_example(
             key, "activations"),
         split_parameter_bytes=_field(memory[False].values[1].get(key),
-                                     "parameters"))
+                                     "parameters"),
+        ops_per_step=_ops(key, costs))
+
+
+def _ops(key: Hashable, costs: _Measure) -> float:
+    """Ops of one replica of TaskGraph `key` per step: its forward,
+    backward and apply groups' op counts (at any batch size)."""
+    return sum(_field(costs.values[1].get((key, phase)), "num_ops")
+               for phase in (cm.FORWARD, cm.BACKWARD, cm.APPLY))
 
 
 def _split_dimension(graph: Any, split_names: set) -> int:
@@ -237,7 +245,7 @@ def _graph_layer(key: Hashable, stage: int, costs: _Measure,
             key, "activations"),
         parameter_bytes=_field(memory[False].values[1].get(key),
                                "parameters"),
-        stage=stage)
+        stage=stage, ops_per_step=_ops(key, costs))
 
 
 def _group_functions(graph: Any, view: Any

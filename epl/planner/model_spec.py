@@ -42,6 +42,10 @@ class LayerSpec:
         alltoall_bytes_per_example: bytes one example sends to other devices
             for its split part (dispatch + combine, forward + backward).
         stage: the annotated stage (TaskGraph index).
+        ops_per_step: ops one replica of the layer runs per step (forward,
+            backward and its optimizer update), each of which costs its
+            device's `DeviceProfile.op_overhead_s` on top of the roofline;
+            0 where unknown (the built-in analytic models).
     """
 
     name: str
@@ -57,6 +61,7 @@ class LayerSpec:
     split_activation_bytes_per_example: float = 0.0
     alltoall_bytes_per_example: float = 0.0
     stage: int = 0
+    ops_per_step: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
