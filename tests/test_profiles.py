@@ -131,8 +131,8 @@ def test_override_unknown_field_lists_valid_fields():
     assert str(info.value) == (
         "cluster.device_profiles['X']: unknown device profile field(s) "
         "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
-        "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth'] "
-        "(and 'base' in cluster.device_profiles, naming a profile to start "
+        "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
+        "'op_overhead_s', 'collective_latency_s'] (and 'base' in cluster.device_profiles, naming a profile to start "
         "from)")
 
 

@@ -181,7 +181,8 @@ def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
     `devices` (a ring at `bandwidth`, `cm.comm_time`), with the copies
     around it: EPL fuses the gradients into one buffer (a concat in, a
     split out: each reads and writes the buffer, at the slowest device's
-    memory bandwidth) and reduces it in one collective, whose ring steps
+    memory bandwidth; counted where the profile has a collective latency,
+    i.e. was calibrated) and reduces it in one collective, whose ring steps
     each pay the slowest device's `collective_latency_s`.  `n`: devices in
     the ring, default len(devices) (`devices` may be one representative
     per class of identical devices).  Zero on one device."""
@@ -189,7 +190,11 @@ def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
     if n <= 1 or nbytes <= 0:
         return 0.0
     latency = max(d.profile.collective_latency_s for d in devices)
-    copies = 4 * nbytes / min(d.profile.memory_bandwidth for d in devices)
+    # The copies are counted with the latency, for calibrated profiles
+    # only: the GPU table's published figures have neither (a GPU
+    # calibration would add both).
+    copies = 4 * nbytes / min(d.profile.memory_bandwidth for d in devices) \
+        if latency > 0 else 0.0
     return cm.comm_time(nbytes, bandwidth, n, latency) + copies
 
 
