@@ -77,6 +77,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
+from epl.planner.roofline import DEFAULT_EFFICIENCY
 
 GiB = 1 << 30
 GB = 10**9
@@ -133,6 +134,11 @@ class DeviceProfile:
             run on the GPU (kernel launch and executor dispatch, a few
             microseconds per op), written by ``epl-plan --calibrate`` for
             that device and given through `cluster.device_profiles`.
+        op_type_overhead_s: op type -> seconds an op of that type costs on
+            top of op_overhead_s: kernels with a large fixed cost (on the
+            CPU, oneDNN's small batched matmuls, einsums, transposes and
+            softmaxes cost tens of microseconds whatever their size).
+            Measured for the CPU; empty for the GPU table.
         collective_latency_s: seconds per step of a ring collective among
             this host's devices (2 (n - 1) steps per all-reduce), on top of
             its bytes at intra_node_bandwidth.  Measured for the CPU; 0 for
@@ -148,15 +154,20 @@ class DeviceProfile:
     inter_node_bandwidth: float
     op_overhead_s: float = 0.0
     collective_latency_s: float = 0.0
+    op_type_overhead_s: dict[str, float] = dataclasses.field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        object.__setattr__(self, "op_type_overhead_s",
+                           dict(self.op_type_overhead_s))
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())),
                      self.memory_bytes, self.memory_bandwidth,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
-                     self.op_overhead_s, self.collective_latency_s))
+                     self.op_overhead_s, self.collective_latency_s,
+                     tuple(sorted(self.op_type_overhead_s.items()))))
 
     def flops(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
@@ -398,7 +409,7 @@ def _builtin(name: str) -> DeviceProfile:
 #: Virtual CPU devices the multi-device parts of the calibration run on.
 CALIBRATION_DEVICES = 2
 #: Timed session runs per measurement (the median is kept).
-_CALIBRATION_RUNS = 9
+_CALIBRATION_RUNS = 7
 #: Tiny ops per run in the per-op overhead fit (two points of a line).
 _OVERHEAD_OPS = (400, 3200)
 #: Side of the square matmuls whose rate sets peak_flops.
@@ -422,9 +433,9 @@ class _Bench:
 
     Runs go through tf.compat.v1 sessions with `device_count` CPUs and
     Grappler off, so the ops run as built (a chain of tiny ops would be
-    folded away otherwise); each point is the fastest of `_CALIBRATION_RUNS`
-    runs after two warm-up runs (the least disturbed by other processes on
-    a shared machine: a slope of medians swings several-fold there).
+    folded away otherwise); each point is the median of `_CALIBRATION_RUNS`
+    runs after two warm-up runs (the examples' step times are medians too,
+    taken under the same load).
     """
 
     def __init__(self, tf: Any) -> None:
@@ -448,7 +459,8 @@ class _Bench:
                 start = time.perf_counter()
                 sess.run(fetch)
                 times.append(time.perf_counter() - start)
-        return min(times)
+        times.sort()
+        return times[len(times) // 2]
 
     def slope(self, build, counts: tuple[int, int], devices: int) -> float:
         """Seconds per unit of count: the slope of run time over `counts`."""
@@ -469,6 +481,44 @@ def _chains(tf: Any, shape: list[int], devices: int):
                 outs.append(x)
         return tf.group(*outs)
     return build
+
+
+#: Tiny ops whose per-op cost is measured by type (shape [2, 2, 8, 8]):
+#: kernels with a large fixed cost on the CPU.
+_COSTLY_KERNELS = {
+    "batch matmul": lambda tf, x: tf.matmul(x, x),
+    "einsum": lambda tf, x: tf.einsum("bhij,bhjk->bhik", x, x),
+    "transpose": lambda tf, x: tf.transpose(x, [0, 2, 1, 3]),
+    "softmax": lambda tf, x: tf.nn.softmax(x),
+}
+
+
+def _kernel_chains(tf: Any, make, devices: int, types: list):
+    """build(n): n ops `make(tf, x)` in one chain per device on a tiny
+    rank-4 tensor; the op type built is appended to `types`."""
+    def build(n: int):
+        outs = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                x = tf.Variable(tf.ones([2, 2, 8, 8]) / 8).read_value()
+                for _ in range(n // devices):
+                    x = make(tf, x)
+                outs.append(x)
+        types.append(x.op.type)
+        return tf.group(*outs)
+    return build
+
+
+def _op_type_overheads(bench: "_Bench", tf: Any, devices: int,
+                       overhead: float) -> dict[str, float]:
+    """op type -> seconds per op beyond `overhead`, for `_COSTLY_KERNELS`."""
+    found = {}
+    for make in _COSTLY_KERNELS.values():
+        types: list = []
+        per_op = bench.slope(_kernel_chains(tf, make, devices, types),
+                             (20, 100), devices)
+        found[types[-1]] = max(per_op - overhead, 0.0)
+    return found
 
 
 def _matmuls(tf: Any):
@@ -535,6 +585,36 @@ def _measure_copy_bandwidth() -> float:
                       _COPY_SECONDS)
 
 
+def _training_steps(tf: Any, devices: int, width: int = 512):
+    """build(batch): one data-parallel training step of a 2-layer
+    `width`-wide MLP (matmuls, their gradients, SGD) per device."""
+    def build(batch: int):
+        trains = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                x = tf.ones([batch, width])
+                weights = [tf.Variable(tf.ones([width, width]) / width)
+                           for _ in range(2)]
+                for w in weights:
+                    x = tf.nn.relu(tf.matmul(x, w))
+                grads = tf.gradients(tf.reduce_sum(x), weights)
+                trains.append(tf.compat.v1.train.GradientDescentOptimizer(
+                    0.01).apply_gradients(zip(grads, weights)))
+        return tf.group(*trains)
+    return build
+
+
+def _training_matmul_flops(bench: "_Bench", tf: Any, devices: int) -> float:
+    """float32 FLOP/s the matmuls of a training step reach on `devices`
+    virtual devices: the extra FLOPs of a larger batch (6 x width^2 per
+    example and layer: forward, and the input and weight gradients) over
+    the extra time."""
+    batches, width = (64, 320), 512
+    per_example = bench.slope(_training_steps(tf, devices, width), batches,
+                              devices)
+    return 2 * 6.0 * width * width * devices / per_example
+
+
 def tensorflow_matmul_flops() -> float:
     """float32 FLOP/s a chain of 512x512 TensorFlow matmuls reaches here
     (one device, all cores, the per-op overhead not removed).  Not used for
@@ -554,14 +634,20 @@ def calibrate_cpu_profile() -> DeviceProfile:
     - op_overhead_s: seconds per op of chains of tiny (16-element) Add/Mul
       ops on `CALIBRATION_DEVICES` virtual devices at once (their executors
       share the cores, so this is the whole CPU's cost per op).
-    - peak_flops: the float32 rate of a 512x512 numpy matmul (best of
-      ~0.15 s); float16 and bfloat16 at the float32 rate, float64 at half.
-      TensorFlow's own matmul reaches ~3x that here
-      (`tensorflow_matmul_flops`), but with it the examples' predictions
-      fall further short (bench/calibration.py: their steps are dominated
-      by per-op costs the tiny-op fit does not capture); it is the figure
-      to use once those are modelled.
+    - peak_flops: the float32 rate the matmuls of a data-parallel training
+      step of a 512-wide MLP reach on `CALIBRATION_DEVICES` devices (the
+      extra time of a larger batch), divided by
+      `epl.planner.roofline.DEFAULT_EFFICIENCY` so that the planner's
+      default efficiency predicts that rate (smaller matmuls lose to
+      op_overhead_s).  A numpy matmul (`_measure_matmul_flops`) or a
+      chain of TensorFlow matmuls (`tensorflow_matmul_flops`) is no
+      guide: numpy's BLAS is not TensorFlow's, and a forward chain reaches
+      more than a training step's gradients do.  float16 and bfloat16 at
+      the float32 rate, float64 at half.
     - memory_bandwidth: a 32 MiB numpy copy (read + write).
+    - op_type_overhead_s: the same fit for chains of tiny ([2, 2, 8, 8])
+      batched matmuls, einsums, transposes and softmaxes, less
+      op_overhead_s (their kernels' fixed cost: tens of microseconds).
     - intra_node_bandwidth and collective_latency_s: chained all-reduces
       of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
       small one's time over its 2 (n - 1) ring steps is the latency, the
@@ -575,7 +661,7 @@ def calibrate_cpu_profile() -> DeviceProfile:
 
     bench, k = _Bench(tf), CALIBRATION_DEVICES
     overhead = bench.slope(_chains(tf, [16], k), _OVERHEAD_OPS, k)
-    fp32 = _measure_matmul_flops()
+    fp32 = _training_matmul_flops(bench, tf, k) / DEFAULT_EFFICIENCY
     bandwidth = _measure_copy_bandwidth()
     small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
                     for b in _COLLECTIVE_BYTES)
@@ -591,7 +677,8 @@ def calibrate_cpu_profile() -> DeviceProfile:
         intra_node_bandwidth=link,
         inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
         op_overhead_s=overhead,
-        collective_latency_s=latency)
+        collective_latency_s=latency,
+        op_type_overhead_s=_op_type_overheads(bench, tf, k, overhead))
 
 
 def _total_ram_bytes() -> int:
@@ -624,7 +711,8 @@ def profile_file(profile: DeviceProfile) -> dict[str, dict[str, Any]]:
 _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 _OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
 #: Fields with a default (0: not modelled) that a new profile may leave out.
-_OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s")
+_OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s",
+                    "op_type_overhead_s")
 _REQUIRED_FIELDS = tuple(f for f in _OVERRIDE_FIELDS
                          if f not in _OPTIONAL_FIELDS)
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -637,6 +725,7 @@ _UNITS = {  # field kind -> unit suffixes and the factor each stands for
     "flops": {"": 1, "FLOPS": 1, "FLOP/S": 1},
 }
 _FIELD_KIND = {"op_overhead_s": "seconds", "collective_latency_s": "seconds",
+               "op_type_overhead_s": "seconds by op type",
                "memory_bytes": "bytes", "memory_bandwidth": "rate",
                "intra_node_bandwidth": "rate",
                "inter_node_bandwidth": "rate", "peak_flops": "flops"}
@@ -720,6 +809,12 @@ def _validated_fields(fields: Mapping[str, Any], context: str) -> dict:
         where = f"{context}, field {field!r}"
         if field == "peak_flops":
             values[field] = _parse_flops(value, where)
+        elif _FIELD_KIND[field] == "seconds by op type":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: expected a mapping of op type "
+                                  f"to seconds, got {value!r}")
+            values[field] = {str(k): parse_seconds(v, f"{where}[{k!r}]")
+                             for k, v in value.items()}
         elif _FIELD_KIND[field] == "seconds":
             values[field] = parse_seconds(value, where)
         else:
@@ -1130,7 +1225,9 @@ def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
         intra_node_bandwidth=cpu.intra_node_bandwidth / n,
         inter_node_bandwidth=cpu.inter_node_bandwidth,
         op_overhead_s=cpu.op_overhead_s * n,
-        collective_latency_s=cpu.collective_latency_s)
+        collective_latency_s=cpu.collective_latency_s,
+        op_type_overhead_s={t: v * n for t, v in
+                            cpu.op_type_overhead_s.items()})
 
 
 def _device_override(index: int, overrides: Mapping | None):

@@ -402,16 +402,28 @@ def test_step_time_adds_op_overhead_and_collective_latency():
     from epl.planner.planner import plan_cluster
     from epl.profiles import HostSpec
     layer = LayerSpec("l", flops_per_example=1e6, bytes_per_example=1e4,
-                      parameter_bytes=1e6, ops_per_step=400)
+                      parameter_bytes=1e6,
+                      op_counts=(("BatchMatMulV2", 100), ("MatMul", 300)))
     model = ModelSpec("m", (layer,), optimizer="sgd")
     base = get_profile("A10")
     slow = base.with_overrides(name="A10-slow", op_overhead_s=1e-5,
-                               collective_latency_s=1e-4)
+                               collective_latency_s=1e-4,
+                               op_type_overhead_s={"BatchMatMulV2": "20us"})
     plain = plan_cluster(model, [HostSpec(base, 2)], global_batch=8)
     costly = plan_cluster(model, [HostSpec(slow, 2)], global_batch=8)
     name = "data-parallel, even split"
     extra = costly.alternative(name).step_time - plain.alternative(name).step_time
-    # 400 ops x 10 us, one all-reduce's 2 (n - 1) = 2 ring steps x 100 us,
-    # and the fusion copies (concat and split: 4 x the gradients' bytes).
+    # 400 ops x 10 us, 100 batched matmuls x 20 us more, one all-reduce's
+    # 2 (n - 1) = 2 ring steps x 100 us, and the fusion copies (concat and
+    # split: 4 x the gradients' bytes).
     copies = 4 * 1e6 / base.memory_bandwidth
-    assert extra == pytest.approx(400 * 1e-5 + 2 * 1e-4 + copies, rel=1e-6)
+    assert extra == pytest.approx(400 * 1e-5 + 100 * 2e-5 + 2 * 1e-4 + copies,
+                                  rel=1e-6)
+
+
+def test_op_overhead_time_by_type():
+    profile = get_profile("T", {"T": {"base": "A10", "op_overhead_s": 1e-6,
+                                      "op_type_overhead_s": {"Einsum": 5e-6}}})
+    assert cm.op_overhead_time((("Einsum", 2), ("Add", 3)), profile) == \
+        pytest.approx(2 * 6e-6 + 3 * 1e-6)
+    assert cm.op_overhead_time(4, profile) == pytest.approx(4e-6)

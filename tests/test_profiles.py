@@ -132,8 +132,8 @@ def test_override_unknown_field_lists_valid_fields():
         "cluster.device_profiles['X']: unknown device profile field(s) "
         "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
         "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
-        "'op_overhead_s', 'collective_latency_s'] (and 'base' in cluster.device_profiles, naming a profile to start "
-        "from)")
+        "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s'] (and "
+        "'base' in cluster.device_profiles, naming a profile to start from)")
 
 
 def test_override_new_profile_needs_all_fields_or_a_base():
@@ -414,6 +414,7 @@ def test_gpu_profiles_have_no_overhead_terms():
         if name != profiles.CPU_PROFILE_NAME:
             assert get_profile(name).op_overhead_s == 0.0
             assert get_profile(name).collective_latency_s == 0.0
+            assert get_profile(name).op_type_overhead_s == {}
 
 
 def test_new_profile_may_leave_out_the_overhead_fields():
@@ -456,3 +457,11 @@ def test_measured_cpu_profile_has_overhead_terms_and_round_trips():
     assert list(written) == ["CPU"]
     again = virtual_cpu_profiles(1, written)[0]
     assert again == cpu
+
+
+def test_op_type_overhead_must_be_a_mapping():
+    with pytest.raises(ConfigError) as info:
+        get_profile("A100", {"A100": {"op_type_overhead_s": 3}})
+    assert str(info.value) == (
+        "cluster.device_profiles['A100'], field 'op_type_overhead_s': "
+        "expected a mapping of op type to seconds, got 3")

@@ -126,12 +126,22 @@ def predict_time(cost: Any, profile: Any,
     return max(compute, memory)
 
 
-def op_overhead_time(ops: float, profile: Any) -> float:
-    """Seconds `ops` ops cost on `profile`'s device beyond their roofline
-    time: ops x `DeviceProfile.op_overhead_s` (the executor's per-op
-    launch and scheduling; 0 for profiles without one, such as the GPU
-    table's)."""
-    return ops * getattr(profile, "op_overhead_s", 0.0) if ops > 0 else 0.0
+def op_overhead_time(ops: Any, profile: Any) -> float:
+    """Seconds some ops cost on `profile`'s device beyond their roofline
+    time (the executor's per-op launch and scheduling, and the fixed cost
+    of kernels such as small batched matmuls).
+
+    `ops` is a number of ops, each costing `DeviceProfile.op_overhead_s`,
+    or (op type, count) pairs, each op costing op_overhead_s plus
+    `DeviceProfile.op_type_overhead_s` of its type.  0 for profiles
+    without these figures, such as the GPU table's.
+    """
+    base = getattr(profile, "op_overhead_s", 0.0)
+    if isinstance(ops, (int, float)):
+        return ops * base if ops > 0 else 0.0
+    extra = getattr(profile, "op_type_overhead_s", {}) or {}
+    return sum(count * (base + extra.get(op_type, 0.0))
+               for op_type, count in ops)
 
 
 def comm_time(nbytes: float, bandwidth: float, n: int,

@@ -48,7 +48,7 @@ class _Totals:
     alltoall: float
     largest_layer_params: float
     largest_layer_split_params: float
-    ops: float = 0.0
+    op_counts: tuple[tuple[str, int], ...] = ()
 
 
 def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
@@ -93,7 +93,16 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
         largest_layer_params=max(l.parameter_bytes for l in layers),
         largest_layer_split_params=max(l.split_parameter_bytes
                                        for l in layers),
-        ops=total("ops_per_step"))
+        op_counts=merge_op_counts(l.op_counts for l in layers))
+
+
+def merge_op_counts(parts) -> tuple[tuple[str, int], ...]:
+    """Sum several (op type, count) tuples into one, sorted by type."""
+    counts: dict[str, int] = {}
+    for part in parts:
+        for op_type, count in part:
+            counts[op_type] = counts.get(op_type, 0) + count
+    return tuple(sorted(counts.items()))
 
 
 # --------------------------------------------------------------------------
@@ -130,10 +139,11 @@ class _Context:
         return device.profile.memory_bytes * self.options.usable_fraction
 
     def time(self, device: ClusterDevice, flops: float, nbytes: float,
-             ops: float = 0.0) -> float:
+             op_counts: tuple[tuple[str, int], ...] = ()) -> float:
         """Seconds of (flops, bytes) on `device`: the roofline, plus the
-        device's per-op overhead for `ops` ops (`cm.op_overhead_time`)."""
-        overhead = cm.op_overhead_time(ops, device.profile)
+        device's per-op overhead for the ops of `op_counts` ((type, count)
+        pairs; `cm.op_overhead_time`)."""
+        overhead = cm.op_overhead_time(op_counts, device.profile)
         if flops <= 0 and nbytes <= 0:
             return overhead
         return cm.predict_time(cm.GroupCost(flops=flops, bytes=nbytes),
