@@ -206,14 +206,18 @@ def _graph_split_layer(key: Hashable, costs: _Measure,
             key, "activations"),
         split_parameter_bytes=_field(memory[False].values[1].get(key),
                                      "parameters"),
-        ops_per_step=_ops(key, costs))
+        op_counts=_op_counts(key, costs))
 
 
-def _ops(key: Hashable, costs: _Measure) -> float:
-    """Ops of one replica of TaskGraph `key` per step: its forward,
-    backward and apply groups' op counts (at any batch size)."""
-    return sum(_field(costs.values[1].get((key, phase)), "num_ops")
-               for phase in (cm.FORWARD, cm.BACKWARD, cm.APPLY))
+def _op_counts(key: Hashable, costs: _Measure) -> tuple[tuple[str, int], ...]:
+    """(op type, count) of one replica of TaskGraph `key` per step: its
+    forward, backward and apply groups' ops, by type (sorted)."""
+    counts: dict[str, int] = {}
+    for phase in (cm.FORWARD, cm.BACKWARD, cm.APPLY):
+        group = costs.values[1].get((key, phase))
+        for op_type, count in (group.op_types if group else {}).items():
+            counts[op_type] = counts.get(op_type, 0) + count
+    return tuple(sorted(counts.items()))
 
 
 def _split_dimension(graph: Any, split_names: set) -> int:
@@ -245,7 +249,7 @@ def _graph_layer(key: Hashable, stage: int, costs: _Measure,
             key, "activations"),
         parameter_bytes=_field(memory[False].values[1].get(key),
                                "parameters"),
-        stage=stage, ops_per_step=_ops(key, costs))
+        stage=stage, op_counts=_op_counts(key, costs))
 
 
 def _group_functions(graph: Any, view: Any

@@ -26,6 +26,7 @@ from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
                                  PlanOptions)
 from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
                                    _allreduce_time, _per_example_time,
+                                   merge_op_counts,
                                    _ring_link,
                                    _slowest_link, _totals)
 from epl.profiles import DeviceProfile, HostSpec, normalize_dtype, parse_cluster
@@ -275,7 +276,7 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
                 activations=state.activations + batch * totals.act,
                 usable=ctx.usable(device),
                 compute_s=ctx.time(device, batch * totals.flops,
-                                   batch * totals.bytes, totals.ops)
+                                   batch * totals.bytes, totals.op_counts)
                 + ctx.update_time(device, state.update_bytes),
                 comm_s=comm, host_bytes=state.host,
                 host_usable=ctx.options.host_memory_per_device
@@ -432,7 +433,7 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
         share = u / ctx.model.split_units if ctx.model.split_units else 0.0
         tokens = ctx.global_batch * share
         dense.append(ctx.time(device, b * totals.flops, b * totals.bytes,
-                              totals.ops))
+                              totals.op_counts))
         expert.append(ctx.time(device, tokens * totals.split_flops,
                                tokens * totals.split_bytes))
     barrier = _barriers(ctx, totals)
@@ -584,7 +585,7 @@ def _sum_totals(per_layer: list[_Totals]) -> _Totals:
         split_flops=0.0, split_bytes=0.0, split_act=0.0, alltoall=0.0,
         largest_layer_params=max(t.params for t in per_layer),
         largest_layer_split_params=0.0,
-        ops=sum(t.ops for t in per_layer))
+        op_counts=merge_op_counts(t.op_counts for t in per_layer))
 
 
 def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
@@ -620,7 +621,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
             mb = batch[r] / micro
             per_mb = [ctx.time(d, _sum_totals(per_layer[x:y]).flops * mb,
                                _sum_totals(per_layer[x:y]).bytes * mb,
-                               _sum_totals(per_layer[x:y]).ops)
+                               _sum_totals(per_layer[x:y]).op_counts)
                       for d, (x, y) in zip(group, cut.bounds)]
             compute = (micro + stages - 1) * max(per_mb) + ctx.update_time(
                 group[s], part.params)
