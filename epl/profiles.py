@@ -139,6 +139,10 @@ class DeviceProfile:
             CPU, oneDNN's small batched matmuls, einsums, transposes and
             softmaxes cost tens of microseconds whatever their size).
             Measured for the CPU; empty for the GPU table.
+        optimizer_bandwidth: bytes/s the optimizer's apply ops read and
+            write (variable, slots, gradient); 0: memory_bandwidth.
+            Measured for the CPU (Adam's kernel moves a few GB/s where a
+            copy moves tens); 0 for the GPU table.
         collective_latency_s: seconds per step of a ring collective among
             this host's devices (2 (n - 1) steps per all-reduce), on top of
             its bytes at intra_node_bandwidth.  Measured for the CPU; 0 for
@@ -156,6 +160,7 @@ class DeviceProfile:
     collective_latency_s: float = 0.0
     op_type_overhead_s: dict[str, float] = dataclasses.field(
         default_factory=dict)
+    optimizer_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -167,7 +172,8 @@ class DeviceProfile:
                      self.memory_bytes, self.memory_bandwidth,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      self.op_overhead_s, self.collective_latency_s,
-                     tuple(sorted(self.op_type_overhead_s.items()))))
+                     tuple(sorted(self.op_type_overhead_s.items())),
+                     self.optimizer_bandwidth))
 
     def flops(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
@@ -521,6 +527,33 @@ def _op_type_overheads(bench: "_Bench", tf: Any, devices: int,
     return found
 
 
+def _adam_updates(tf: Any, devices: int, shape: list[int]):
+    """build(n): Adam updates of n variables of `shape`, spread over the
+    devices."""
+    def build(n: int):
+        outs = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                variables = [tf.Variable(tf.ones(shape))
+                             for _ in range(n // devices)]
+                outs.append(tf.compat.v1.train.AdamOptimizer(
+                    1e-3).apply_gradients([(tf.ones(shape), v)
+                                           for v in variables]))
+        return tf.group(*outs)
+    return build
+
+
+def _optimizer_bandwidth(bench: "_Bench", tf: Any, devices: int) -> float:
+    """Bytes/s Adam's apply kernel reads and writes (variable, two slots,
+    gradient in; variable and slots out: 7 x the variable) on 256x256
+    variables, less the per-op cost of 16-element ones."""
+    counts, big = (8, 32), 256 * 256
+    small = bench.slope(_adam_updates(tf, devices, [16]), counts, devices)
+    large = bench.slope(_adam_updates(tf, devices, [256, 256]), counts,
+                        devices)
+    return 7 * 4.0 * (big - 16) / max(large - small, 1e-12)
+
+
 def _matmuls(tf: Any):
     """build(n): a chain of n _MATMUL_SIZE-square float32 matmuls."""
     def build(n: int):
@@ -648,6 +681,8 @@ def calibrate_cpu_profile() -> DeviceProfile:
     - op_type_overhead_s: the same fit for chains of tiny ([2, 2, 8, 8])
       batched matmuls, einsums, transposes and softmaxes, less
       op_overhead_s (their kernels' fixed cost: tens of microseconds).
+    - optimizer_bandwidth: the bytes Adam's apply ops move per second
+      (`_optimizer_bandwidth`).
     - intra_node_bandwidth and collective_latency_s: chained all-reduces
       of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
       small one's time over its 2 (n - 1) ring steps is the latency, the
@@ -678,7 +713,8 @@ def calibrate_cpu_profile() -> DeviceProfile:
         inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
         op_overhead_s=overhead,
         collective_latency_s=latency,
-        op_type_overhead_s=_op_type_overheads(bench, tf, k, overhead))
+        op_type_overhead_s=_op_type_overheads(bench, tf, k, overhead),
+        optimizer_bandwidth=_optimizer_bandwidth(bench, tf, k))
 
 
 def _total_ram_bytes() -> int:
@@ -712,7 +748,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 _OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
 #: Fields with a default (0: not modelled) that a new profile may leave out.
 _OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s",
-                    "op_type_overhead_s")
+                    "op_type_overhead_s", "optimizer_bandwidth")
 _REQUIRED_FIELDS = tuple(f for f in _OVERRIDE_FIELDS
                          if f not in _OPTIONAL_FIELDS)
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -726,6 +762,7 @@ _UNITS = {  # field kind -> unit suffixes and the factor each stands for
 }
 _FIELD_KIND = {"op_overhead_s": "seconds", "collective_latency_s": "seconds",
                "op_type_overhead_s": "seconds by op type",
+               "optimizer_bandwidth": "rate or zero",
                "memory_bytes": "bytes", "memory_bandwidth": "rate",
                "intra_node_bandwidth": "rate",
                "inter_node_bandwidth": "rate", "peak_flops": "flops"}
@@ -815,6 +852,9 @@ def _validated_fields(fields: Mapping[str, Any], context: str) -> dict:
                                   f"to seconds, got {value!r}")
             values[field] = {str(k): parse_seconds(v, f"{where}[{k!r}]")
                              for k, v in value.items()}
+        elif _FIELD_KIND[field] == "rate or zero":
+            values[field] = 0.0 if value == 0 and not isinstance(
+                value, bool) else parse_quantity(value, "rate", where)
         elif _FIELD_KIND[field] == "seconds":
             values[field] = parse_seconds(value, where)
         else:
@@ -1227,7 +1267,8 @@ def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
         op_overhead_s=cpu.op_overhead_s * n,
         collective_latency_s=cpu.collective_latency_s,
         op_type_overhead_s={t: v * n for t, v in
-                            cpu.op_type_overhead_s.items()})
+                            cpu.op_type_overhead_s.items()},
+        optimizer_bandwidth=cpu.optimizer_bandwidth / n)
 
 
 def _device_override(index: int, overrides: Mapping | None):

@@ -427,3 +427,21 @@ def test_op_overhead_time_by_type():
     assert cm.op_overhead_time((("Einsum", 2), ("Add", 3)), profile) == \
         pytest.approx(2 * 6e-6 + 3 * 1e-6)
     assert cm.op_overhead_time(4, profile) == pytest.approx(4e-6)
+
+
+def test_optimizer_bandwidth_sets_the_update_time():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import plan_cluster
+    from epl.profiles import HostSpec
+    layer = LayerSpec("l", flops_per_example=1e3, parameter_bytes=4e8)
+    model = ModelSpec("m", (layer,), optimizer="sgd")
+    base = get_profile("A10")
+    slow = base.with_overrides(name="A10-slow-update",
+                               optimizer_bandwidth="1GB/s")
+    name = "data-parallel, even split"
+    plain = plan_cluster(model, [HostSpec(base, 1)], global_batch=1)
+    costly = plan_cluster(model, [HostSpec(slow, 1)], global_batch=1)
+    # SGD moves 3 x the parameters; at 1 GB/s instead of the A10's 600 GB/s.
+    extra = costly.alternative(name).step_time - plain.alternative(name).step_time
+    assert extra == pytest.approx(3 * 4e8 / 1e9 - 3 * 4e8 / base.memory_bandwidth,
+                                  rel=1e-3)

@@ -132,8 +132,8 @@ def test_override_unknown_field_lists_valid_fields():
         "cluster.device_profiles['X']: unknown device profile field(s) "
         "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
         "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
-        "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s'] (and "
-        "'base' in cluster.device_profiles, naming a profile to start from)")
+        "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s', "
+        "'optimizer_bandwidth'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
 
 
 def test_override_new_profile_needs_all_fields_or_a_base():
@@ -415,6 +415,7 @@ def test_gpu_profiles_have_no_overhead_terms():
             assert get_profile(name).op_overhead_s == 0.0
             assert get_profile(name).collective_latency_s == 0.0
             assert get_profile(name).op_type_overhead_s == {}
+            assert get_profile(name).optimizer_bandwidth == 0.0
 
 
 def test_new_profile_may_leave_out_the_overhead_fields():

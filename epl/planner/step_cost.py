@@ -152,12 +152,17 @@ class _Context:
 
     def update_time(self, device: ClusterDevice, param_bytes: float) -> float:
         """Seconds of the optimizer update of `param_bytes` on `device`
-        (zero under offload: the host runs it)."""
+        (zero under offload: the host runs it): the roofline of its FLOPs
+        and bytes, the bytes at the profile's `optimizer_bandwidth` where
+        it has one (the CPU's apply kernels move far less than a copy)."""
         if self.options.offload or param_bytes <= 0:
             return 0.0
         cost = optimizer_update_cost(param_bytes,
                                      self.model.parameter_dtype_bytes,
                                      self.optimizer)
+        rate = device.profile.optimizer_bandwidth
+        if rate > 0:  # a calibrated profile: the apply kernels' own rate
+            return max(self.time(device, cost.flops, 0.0), cost.bytes / rate)
         return self.time(device, cost.flops, cost.bytes)
 
 
