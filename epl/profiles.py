@@ -528,17 +528,21 @@ def _op_type_overheads(bench: "_Bench", tf: Any, devices: int,
 
 
 def _adam_updates(tf: Any, devices: int, shape: list[int]):
-    """build(n): Adam updates of n variables of `shape`, spread over the
-    devices."""
+    """build(n): Adam's apply kernel on n variables of `shape` (each with
+    its two slots), spread over the devices; raw kernels, so that EPL's
+    optimizer hooks see no training step."""
     def build(n: int):
         outs = []
         for d in range(devices):
             with tf.device(f"/device:CPU:{d}"):
-                variables = [tf.Variable(tf.ones(shape))
-                             for _ in range(n // devices)]
-                outs.append(tf.compat.v1.train.AdamOptimizer(
-                    1e-3).apply_gradients([(tf.ones(shape), v)
-                                           for v in variables]))
+                grad = tf.ones(shape)
+                for _ in range(n // devices):
+                    var, m, v = (tf.Variable(tf.ones(shape))
+                                 for _ in range(3))
+                    outs.append(tf.raw_ops.ResourceApplyAdam(
+                        var=var.handle, m=m.handle, v=v.handle,
+                        beta1_power=0.9, beta2_power=0.999, lr=1e-3,
+                        beta1=0.9, beta2=0.999, epsilon=1e-7, grad=grad))
         return tf.group(*outs)
     return build
 
@@ -620,7 +624,11 @@ def _measure_copy_bandwidth() -> float:
 
 def _training_steps(tf: Any, devices: int, width: int = 512):
     """build(batch): one data-parallel training step of a 2-layer
-    `width`-wide MLP (matmuls, their gradients, SGD) per device."""
+    `width`-wide MLP (matmuls, their gradients, the SGD apply kernel) per
+    device.  Gradients are taken with respect to the variables' values and
+    applied by the raw kernel, not through an optimizer or tf.gradients of
+    variables, so that EPL's hooks see no training step in the graph (its
+    session would rewrite it)."""
     def build(batch: int):
         trains = []
         for d in range(devices):
@@ -628,11 +636,13 @@ def _training_steps(tf: Any, devices: int, width: int = 512):
                 x = tf.ones([batch, width])
                 weights = [tf.Variable(tf.ones([width, width]) / width)
                            for _ in range(2)]
-                for w in weights:
-                    x = tf.nn.relu(tf.matmul(x, w))
-                grads = tf.gradients(tf.reduce_sum(x), weights)
-                trains.append(tf.compat.v1.train.GradientDescentOptimizer(
-                    0.01).apply_gradients(zip(grads, weights)))
+                values = [w.read_value() for w in weights]
+                for value in values:
+                    x = tf.nn.relu(tf.matmul(x, value))
+                grads = tf.gradients(tf.reduce_sum(x), values)
+                trains += [tf.raw_ops.ResourceApplyGradientDescent(
+                    var=w.handle, alpha=0.01, delta=g)
+                    for w, g in zip(weights, grads)]
         return tf.group(*trains)
     return build
 
