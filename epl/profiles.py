@@ -418,8 +418,6 @@ CALIBRATION_DEVICES = 2
 _CALIBRATION_RUNS = 7
 #: Tiny ops per run in the per-op overhead fit (two points of a line).
 _OVERHEAD_OPS = (400, 3200)
-#: Side of the square matmuls whose rate sets peak_flops.
-_MATMUL_SIZE = 512
 #: Bytes all-reduced per collective in the collective fit.
 _COLLECTIVE_BYTES = (4 << 10, 1 << 20)
 
@@ -558,16 +556,6 @@ def _optimizer_bandwidth(bench: "_Bench", tf: Any, devices: int) -> float:
     return 7 * 4.0 * (big - 16) / max(large - small, 1e-12)
 
 
-def _matmuls(tf: Any):
-    """build(n): a chain of n _MATMUL_SIZE-square float32 matmuls."""
-    def build(n: int):
-        x = tf.Variable(tf.ones([_MATMUL_SIZE] * 2) / _MATMUL_SIZE).read_value()
-        for _ in range(n):
-            x = tf.matmul(x, x)
-        return x.op
-    return build
-
-
 def _all_reduces(tf: Any, nbytes: int, devices: int):
     """build(n): n chained all-reduces of `nbytes` over `devices` devices
     (TensorFlow's collective ops, as EPL's local gradient reduction)."""
@@ -586,7 +574,6 @@ def _all_reduces(tf: Any, nbytes: int, devices: int):
     return build
 
 
-_NUMPY_MATMUL_SECONDS = 0.15
 _COPY_BYTES = 32 << 20
 _COPY_SECONDS = 0.05
 
@@ -602,15 +589,6 @@ def _best_rate(work: float, run, seconds: float) -> float:
         best = min(best, time.perf_counter() - start)
         if time.perf_counter() >= deadline:
             return work / max(best, 1e-9)
-
-
-def _measure_matmul_flops() -> float:
-    """float32 FLOP/s of a 512x512 numpy matmul (best of ~0.15 s)."""
-    import numpy as np
-    a = np.random.default_rng(0).random((_MATMUL_SIZE,) * 2, np.float32)
-    b = a.copy()
-    return _best_rate(2.0 * _MATMUL_SIZE**3, lambda: a @ b,
-                      _NUMPY_MATMUL_SECONDS)
 
 
 def _measure_copy_bandwidth() -> float:
@@ -658,21 +636,13 @@ def _training_matmul_flops(bench: "_Bench", tf: Any, devices: int) -> float:
     return 2 * 6.0 * width * width * devices / per_example
 
 
-def tensorflow_matmul_flops() -> float:
-    """float32 FLOP/s a chain of 512x512 TensorFlow matmuls reaches here
-    (one device, all cores, the per-op overhead not removed).  Not used for
-    peak_flops yet (see `calibrate_cpu_profile`)."""
-    import tensorflow as tf
-    return 2.0 * _MATMUL_SIZE ** 3 / _Bench(tf).slope(_matmuls(tf), (2, 6), 1)
-
-
 def calibrate_cpu_profile() -> DeviceProfile:
-    """Measure this machine's "CPU" profile with TensorFlow (~2 s).
+    """Measure this machine's "CPU" profile with TensorFlow (~4 s).
 
     Needs TensorFlow (imported here, so that planning on the GPU table
-    never loads it).  Every figure is a fitted slope -- the extra run time
-    of more work in the same session -- so a session's fixed cost does not
-    enter it:
+    never loads it).  Every TensorFlow figure is a fitted slope -- the
+    extra run time of more work in the same session -- so a session's fixed
+    cost does not enter it:
 
     - op_overhead_s: seconds per op of chains of tiny (16-element) Add/Mul
       ops on `CALIBRATION_DEVICES` virtual devices at once (their executors
@@ -682,10 +652,11 @@ def calibrate_cpu_profile() -> DeviceProfile:
       extra time of a larger batch), divided by
       `epl.planner.roofline.DEFAULT_EFFICIENCY` so that the planner's
       default efficiency predicts that rate (smaller matmuls lose to
-      op_overhead_s).  A numpy matmul (`_measure_matmul_flops`) or a
-      chain of TensorFlow matmuls (`tensorflow_matmul_flops`) is no
-      guide: numpy's BLAS is not TensorFlow's, and a forward chain reaches
-      more than a training step's gradients do.  float16 and bfloat16 at
+      op_overhead_s).  A numpy matmul (the figure used before) or a
+      chain of TensorFlow matmuls is no guide: numpy's BLAS is not
+      TensorFlow's (a third of its rate here, varying 3x between
+      processes), and a forward chain reaches more than a training step's
+      gradients do.  float16 and bfloat16 at
       the float32 rate, float64 at half.
     - memory_bandwidth: a 32 MiB numpy copy (read + write).
     - op_type_overhead_s: the same fit for chains of tiny ([2, 2, 8, 8])
@@ -735,7 +706,7 @@ def _total_ram_bytes() -> int:
 @functools.lru_cache(maxsize=1)
 def cpu_profile() -> DeviceProfile:
     """The "CPU" profile of this machine, measured once per process
-    (`calibrate_cpu_profile`, ~2 s, imports TensorFlow).  To skip the
+    (`calibrate_cpu_profile`, ~4 s, imports TensorFlow).  To skip the
     measurement (and have every worker plan with the same figures), write
     a profile file with ``epl-plan --calibrate --output FILE`` and give it
     as `cluster.device_profiles` or ``epl-plan --profiles FILE``."""
