@@ -31,7 +31,7 @@ from epl.profiles import HostSpec, virtual_cpu_profiles
 #: and collective terms (median of 3 runs, shared 2-core machine): train_mlp
 #: 0.25, large_classifier 0.49, m6_mini 0.14, bert_pipeline 0.32.  With
 #: them, bench runs and this test's runs within an hour: 0.32-0.42,
-#: 0.35-0.77, 0.36-0.54, 0.52-1.12, the MLP here 0.43-0.45 (the machine's
+#: 0.35-0.77, 0.31-0.54, 0.43-1.12, the MLP here 0.43-0.45 (the machine's
 #: load moves the profile and the steps).  The bound leaves about 2x below
 #: the lowest and 2.2x above the highest for a noisy machine of another
 #: kind.
