@@ -15,11 +15,16 @@ runs of each run's median.  One line per example:
       (predicted <p> ms, measured <m> ms; target 0.7-1.3)
 
 Target: every ratio within 0.7-1.3 (the planner within 30% of the measured
-step).  The roofline model does not see TensorFlow's per-op launch and
-executor overhead, which dominates these small steps, so today's ratios
-fall well short of it (the figures are in the README); the last line counts
-the examples inside and outside the target.  tests/test_planner_calibration.py
-runs one run per example with a looser bound that the current model meets.
+step).  These small steps are dominated by TensorFlow's per-op costs, which
+the cost model takes from the CPU profile's micro-benchmark
+(`epl.profiles.calibrate_cpu_profile`: per-op overhead, by op type for the
+costly kernels, the optimizer's apply rate, the local collectives' latency
+and bandwidth, the matmul rate of a training step); the CPU profile is
+measured in this process, close in time to the runs, since a shared
+machine's load moves both.  The figures are in the README; the last line
+counts the examples inside and outside the target.
+tests/test_planner_calibration.py runs one run per example with a looser
+bound that the model meets.
 """
 from __future__ import annotations
 

@@ -54,10 +54,16 @@ Conventions and decisions
   several ("V100" -> "V100-16GB", "A100" -> "A100-40GB") so that a plan made
   with the alias never needs more memory than the device has; "H100" ->
   "H100-80GB" (SXM5), "H200" -> "H200-141GB" (SXM), "P100" -> "P100-16GB".
-- The CPU profile is measured once per process; different processes (and
-  different Horovod workers) may measure slightly different figures.  Where
-  every worker must reach the same plan, give the "CPU" profile in
-  `cluster.device_profiles` with all fields, which skips the measurement.
+- The CPU profile is measured once per process by a TensorFlow
+  micro-benchmark (`calibrate_cpu_profile`: per-op overhead, matmul rate,
+  memory bandwidth, the collectives' latency and bandwidth); different
+  processes (and different Horovod workers) may measure slightly different
+  figures.  Where every worker must reach the same plan, write the profile
+  once (``epl-plan --calibrate --output FILE``) and give it as
+  `cluster.device_profiles`, which skips the measurement.  A configured
+  "CPU" profile describes the whole machine; virtual CPU devices share it.
+- `op_overhead_s` and `collective_latency_s` are 0 for the GPU table (its
+  published datasheet figures have none); see `DeviceProfile`.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
+from epl.planner.roofline import DEFAULT_EFFICIENCY
 
 GiB = 1 << 30
 GB = 10**9
@@ -119,6 +126,28 @@ class DeviceProfile:
             the same host (NVLink or PCIe) in bytes/s.
         inter_node_bandwidth: per-direction network bandwidth to another
             host in bytes/s.
+        op_overhead_s: seconds each op of a step costs on top of its
+            roofline time (launch, executor scheduling, allocation).
+            Measured for the CPU (`calibrate_cpu_profile`); 0 for the GPU
+            table, which keeps its published figures.  A GPU calibration
+            would go here: the same chain-of-N-tiny-ops fit as the CPU's,
+            run on the GPU (kernel launch and executor dispatch, a few
+            microseconds per op), written by ``epl-plan --calibrate`` for
+            that device and given through `cluster.device_profiles`.
+        op_type_overhead_s: op type -> seconds an op of that type costs on
+            top of op_overhead_s: kernels with a large fixed cost (on the
+            CPU, oneDNN's small batched matmuls, einsums, transposes and
+            softmaxes cost tens of microseconds whatever their size).
+            Measured for the CPU; empty for the GPU table.
+        optimizer_bandwidth: bytes/s the optimizer's apply ops read and
+            write (variable, slots, gradient); 0: memory_bandwidth.
+            Measured for the CPU (Adam's kernel moves a few GB/s where a
+            copy moves tens); 0 for the GPU table.
+        collective_latency_s: seconds per step of a ring collective among
+            this host's devices (2 (n - 1) steps per all-reduce), on top of
+            its bytes at intra_node_bandwidth.  Measured for the CPU; 0 for
+            the GPU table (NCCL's latency, microseconds, would be measured
+            by the same all-reduce fit on the GPUs).
     """
 
     name: str
@@ -127,14 +156,24 @@ class DeviceProfile:
     memory_bandwidth: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
+    op_overhead_s: float = 0.0
+    collective_latency_s: float = 0.0
+    op_type_overhead_s: dict[str, float] = dataclasses.field(
+        default_factory=dict)
+    optimizer_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        object.__setattr__(self, "op_type_overhead_s",
+                           dict(self.op_type_overhead_s))
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())),
                      self.memory_bytes, self.memory_bandwidth,
-                     self.intra_node_bandwidth, self.inter_node_bandwidth))
+                     self.intra_node_bandwidth, self.inter_node_bandwidth,
+                     self.op_overhead_s, self.collective_latency_s,
+                     tuple(sorted(self.op_type_overhead_s.items())),
+                     self.optimizer_bandwidth))
 
     def flops(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
@@ -370,11 +409,171 @@ def _builtin(name: str) -> DeviceProfile:
 
 
 # --------------------------------------------------------------------------
-# The CPU micro-benchmark.
+# The CPU micro-benchmark (calibration).
 # --------------------------------------------------------------------------
 
-_MATMUL_SIZE = 512
-_MATMUL_SECONDS = 0.15
+#: Virtual CPU devices the multi-device parts of the calibration run on.
+CALIBRATION_DEVICES = 2
+#: Timed session runs per measurement (the median is kept).
+_CALIBRATION_RUNS = 7
+#: Tiny ops per run in the per-op overhead fit (two points of a line).
+_OVERHEAD_OPS = (400, 3200)
+#: Bytes all-reduced per collective in the collective fit.
+_COLLECTIVE_BYTES = (4 << 10, 1 << 20)
+
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (x, y) points."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    return mean_y - slope * mean_x, slope
+
+
+class _Bench:
+    """Times graphs built by a function of one count, on virtual CPU devices.
+
+    Runs go through tf.compat.v1 sessions with `device_count` CPUs and
+    Grappler off, so the ops run as built (a chain of tiny ops would be
+    folded away otherwise); each point is the median of `_CALIBRATION_RUNS`
+    runs after two warm-up runs (the examples' step times are medians too,
+    taken under the same load).
+    """
+
+    def __init__(self, tf: Any) -> None:
+        self.tf = tf
+
+    def seconds(self, build, count: int, devices: int) -> float:
+        """Median seconds of one run of the graph `build(count)` returns."""
+        tf = self.tf
+        graph = tf.Graph()
+        with graph.as_default():
+            fetch = build(count)
+            init = tf.compat.v1.global_variables_initializer()
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            sess.run(init)
+            for _ in range(2):
+                sess.run(fetch)
+            times = []
+            for _ in range(_CALIBRATION_RUNS):
+                start = time.perf_counter()
+                sess.run(fetch)
+                times.append(time.perf_counter() - start)
+        times.sort()
+        return times[len(times) // 2]
+
+    def slope(self, build, counts: tuple[int, int], devices: int) -> float:
+        """Seconds per unit of count: the slope of run time over `counts`."""
+        points = [(c, self.seconds(build, c, devices)) for c in counts]
+        return max(_fit_line(points)[1], 1e-12)
+
+
+def _chains(tf: Any, shape: list[int], devices: int):
+    """build(n): n elementwise ops (Add and Mul alternating) in one chain
+    per device, the chains side by side."""
+    def build(n: int):
+        outs = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                x = tf.Variable(tf.ones(shape)).read_value()
+                for i in range(n // devices):
+                    x = x * 1.0001 if i % 2 else x + 1.0
+                outs.append(x)
+        return tf.group(*outs)
+    return build
+
+
+#: Tiny ops whose per-op cost is measured by type (shape [2, 2, 8, 8]):
+#: kernels with a large fixed cost on the CPU.
+_COSTLY_KERNELS = {
+    "batch matmul": lambda tf, x: tf.matmul(x, x),
+    "einsum": lambda tf, x: tf.einsum("bhij,bhjk->bhik", x, x),
+    "transpose": lambda tf, x: tf.transpose(x, [0, 2, 1, 3]),
+    "softmax": lambda tf, x: tf.nn.softmax(x),
+}
+
+
+def _kernel_chains(tf: Any, make, devices: int, types: list):
+    """build(n): n ops `make(tf, x)` in one chain per device on a tiny
+    rank-4 tensor; the op type built is appended to `types`."""
+    def build(n: int):
+        outs = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                x = tf.Variable(tf.ones([2, 2, 8, 8]) / 8).read_value()
+                for _ in range(n // devices):
+                    x = make(tf, x)
+                outs.append(x)
+        types.append(x.op.type)
+        return tf.group(*outs)
+    return build
+
+
+def _op_type_overheads(bench: "_Bench", tf: Any, devices: int,
+                       overhead: float) -> dict[str, float]:
+    """op type -> seconds per op beyond `overhead`, for `_COSTLY_KERNELS`."""
+    found = {}
+    for make in _COSTLY_KERNELS.values():
+        types: list = []
+        per_op = bench.slope(_kernel_chains(tf, make, devices, types),
+                             (20, 100), devices)
+        found[types[-1]] = max(per_op - overhead, 0.0)
+    return found
+
+
+def _adam_updates(tf: Any, devices: int, shape: list[int]):
+    """build(n): Adam's apply kernel on n variables of `shape` (each with
+    its two slots), spread over the devices; raw kernels, so that EPL's
+    optimizer hooks see no training step."""
+    def build(n: int):
+        outs = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                grad = tf.ones(shape)
+                for _ in range(n // devices):
+                    var, m, v = (tf.Variable(tf.ones(shape))
+                                 for _ in range(3))
+                    outs.append(tf.raw_ops.ResourceApplyAdam(
+                        var=var.handle, m=m.handle, v=v.handle,
+                        beta1_power=0.9, beta2_power=0.999, lr=1e-3,
+                        beta1=0.9, beta2=0.999, epsilon=1e-7, grad=grad))
+        return tf.group(*outs)
+    return build
+
+
+def _optimizer_bandwidth(bench: "_Bench", tf: Any, devices: int) -> float:
+    """Bytes/s Adam's apply kernel reads and writes (variable, two slots,
+    gradient in; variable and slots out: 7 x the variable) on 256x256
+    variables, less the per-op cost of 16-element ones."""
+    counts, big = (8, 32), 256 * 256
+    small = bench.slope(_adam_updates(tf, devices, [16]), counts, devices)
+    large = bench.slope(_adam_updates(tf, devices, [256, 256]), counts,
+                        devices)
+    return 7 * 4.0 * (big - 16) / max(large - small, 1e-12)
+
+
+def _all_reduces(tf: Any, nbytes: int, devices: int):
+    """build(n): n chained all-reduces of `nbytes` over `devices` devices
+    (TensorFlow's collective ops, as EPL's local gradient reduction)."""
+    from tensorflow.python.ops import collective_ops
+
+    def build(n: int):
+        outs = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                x = tf.Variable(tf.ones([nbytes // 4])).read_value()
+                for c in range(n):
+                    x = collective_ops.all_reduce(x, devices, 1, 1 + c, "Add",
+                                                  "Id")
+                outs.append(x)
+        return tf.group(*outs)
+    return build
+
+
 _COPY_BYTES = 32 << 20
 _COPY_SECONDS = 0.05
 
@@ -392,14 +591,6 @@ def _best_rate(work: float, run, seconds: float) -> float:
             return work / max(best, 1e-9)
 
 
-def _measure_matmul_flops() -> float:
-    """float32 FLOP/s of a 512x512 numpy matmul (best of ~0.15 s)."""
-    import numpy as np
-    a = np.random.default_rng(0).random((_MATMUL_SIZE,) * 2, np.float32)
-    b = a.copy()
-    return _best_rate(2.0 * _MATMUL_SIZE**3, lambda: a @ b, _MATMUL_SECONDS)
-
-
 def _measure_copy_bandwidth() -> float:
     """Memory bandwidth in B/s from a 32 MiB numpy copy (read + write)."""
     import numpy as np
@@ -409,6 +600,104 @@ def _measure_copy_bandwidth() -> float:
                       _COPY_SECONDS)
 
 
+def _training_steps(tf: Any, devices: int, width: int = 512):
+    """build(batch): one data-parallel training step of a 2-layer
+    `width`-wide MLP (matmuls, their gradients, the SGD apply kernel) per
+    device.  Gradients are taken with respect to the variables' values and
+    applied by the raw kernel, not through an optimizer or tf.gradients of
+    variables, so that EPL's hooks see no training step in the graph (its
+    session would rewrite it)."""
+    def build(batch: int):
+        trains = []
+        for d in range(devices):
+            with tf.device(f"/device:CPU:{d}"):
+                x = tf.ones([batch, width])
+                weights = [tf.Variable(tf.ones([width, width]) / width)
+                           for _ in range(2)]
+                values = [w.read_value() for w in weights]
+                for value in values:
+                    x = tf.nn.relu(tf.matmul(x, value))
+                grads = tf.gradients(tf.reduce_sum(x), values)
+                trains += [tf.raw_ops.ResourceApplyGradientDescent(
+                    var=w.handle, alpha=0.01, delta=g)
+                    for w, g in zip(weights, grads)]
+        return tf.group(*trains)
+    return build
+
+
+def _training_matmul_flops(bench: "_Bench", tf: Any, devices: int) -> float:
+    """float32 FLOP/s the matmuls of a training step reach on `devices`
+    virtual devices: the extra FLOPs of a larger batch (6 x width^2 per
+    example and layer: forward, and the input and weight gradients) over
+    the extra time."""
+    batches, width = (64, 320), 512
+    per_example = bench.slope(_training_steps(tf, devices, width), batches,
+                              devices)
+    return 2 * 6.0 * width * width * devices / per_example
+
+
+def calibrate_cpu_profile() -> DeviceProfile:
+    """Measure this machine's "CPU" profile with TensorFlow (~4 s).
+
+    Needs TensorFlow (imported here, so that planning on the GPU table
+    never loads it).  Every TensorFlow figure is a fitted slope -- the
+    extra run time of more work in the same session -- so a session's fixed
+    cost does not enter it:
+
+    - op_overhead_s: seconds per op of chains of tiny (16-element) Add/Mul
+      ops on `CALIBRATION_DEVICES` virtual devices at once (their executors
+      share the cores, so this is the whole CPU's cost per op).
+    - peak_flops: the float32 rate the matmuls of a data-parallel training
+      step of a 512-wide MLP reach on `CALIBRATION_DEVICES` devices (the
+      extra time of a larger batch), divided by
+      `epl.planner.roofline.DEFAULT_EFFICIENCY` so that the planner's
+      default efficiency predicts that rate (smaller matmuls lose to
+      op_overhead_s).  A numpy matmul (the figure used before) or a
+      chain of TensorFlow matmuls is no guide: numpy's BLAS is not
+      TensorFlow's (a third of its rate here, varying 3x between
+      processes), and a forward chain reaches more than a training step's
+      gradients do.  float16 and bfloat16 at
+      the float32 rate, float64 at half.
+    - memory_bandwidth: a 32 MiB numpy copy (read + write).
+    - op_type_overhead_s: the same fit for chains of tiny ([2, 2, 8, 8])
+      batched matmuls, einsums, transposes and softmaxes, less
+      op_overhead_s (their kernels' fixed cost: tens of microseconds).
+    - optimizer_bandwidth: the bytes Adam's apply ops move per second
+      (`_optimizer_bandwidth`).
+    - intra_node_bandwidth and collective_latency_s: chained all-reduces
+      of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
+      small one's time over its 2 (n - 1) ring steps is the latency, the
+      bytes every device sends (2 (n - 1) / n of the buffer each) over the
+      extra time of the large one the bandwidth of the whole CPU
+      (`virtual_cpu_profiles` divides it among the devices, which share it).
+
+    Memory is the machine's RAM; inter-node bandwidth the 100 Gb/s default.
+    """
+    import tensorflow as tf
+
+    bench, k = _Bench(tf), CALIBRATION_DEVICES
+    overhead = bench.slope(_chains(tf, [16], k), _OVERHEAD_OPS, k)
+    fp32 = _training_matmul_flops(bench, tf, k) / DEFAULT_EFFICIENCY
+    bandwidth = _measure_copy_bandwidth()
+    small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
+                    for b in _COLLECTIVE_BYTES)
+    latency = small / (2 * (k - 1))
+    moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
+    link = moved / max(large - small, 1e-12)
+    return DeviceProfile(
+        name=CPU_PROFILE_NAME,
+        peak_flops={"float32": fp32, "float16": fp32, "bfloat16": fp32,
+                    "float64": fp32 / 2},
+        memory_bytes=float(_total_ram_bytes()),
+        memory_bandwidth=bandwidth,
+        intra_node_bandwidth=link,
+        inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
+        op_overhead_s=overhead,
+        collective_latency_s=latency,
+        op_type_overhead_s=_op_type_overheads(bench, tf, k, overhead),
+        optimizer_bandwidth=_optimizer_bandwidth(bench, tf, k))
+
+
 def _total_ram_bytes() -> int:
     """This machine's physical memory in bytes (os.sysconf)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -416,26 +705,20 @@ def _total_ram_bytes() -> int:
 
 @functools.lru_cache(maxsize=1)
 def cpu_profile() -> DeviceProfile:
-    """The "CPU" profile of this machine, measured once per process (~0.2 s).
+    """The "CPU" profile of this machine, measured once per process
+    (`calibrate_cpu_profile`, ~4 s, imports TensorFlow).  To skip the
+    measurement (and have every worker plan with the same figures), write
+    a profile file with ``epl-plan --calibrate --output FILE`` and give it
+    as `cluster.device_profiles` or ``epl-plan --profiles FILE``."""
+    return calibrate_cpu_profile()
 
-    float32 FLOP/s from a timed 512x512 float32 numpy matmul (all cores
-    numpy's BLAS uses); float16 and bfloat16 at the float32 rate (TensorFlow
-    computes them by conversion on most CPUs); float64 at half the float32
-    rate (half as many lanes per vector).  Memory is the machine's RAM;
-    memory bandwidth comes from a timed 32 MiB copy and also serves as the
-    intra-node bandwidth (copies between CPU devices are memory copies).
-    Inter-node bandwidth is the 100 Gb/s default.
-    """
-    fp32 = _measure_matmul_flops()
-    bandwidth = _measure_copy_bandwidth()
-    return DeviceProfile(
-        name=CPU_PROFILE_NAME,
-        peak_flops={"float32": fp32, "float16": fp32, "bfloat16": fp32,
-                    "float64": fp32 / 2},
-        memory_bytes=float(_total_ram_bytes()),
-        memory_bandwidth=bandwidth,
-        intra_node_bandwidth=bandwidth,
-        inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH)
+
+def profile_file(profile: DeviceProfile) -> dict[str, dict[str, Any]]:
+    """{name: fields}: the JSON object ``epl-plan --profiles`` and
+    `cluster.device_profiles` accept, defining `profile` in full."""
+    fields = profile.to_dict()
+    name = fields.pop("name")
+    return {name: fields}
 
 
 # --------------------------------------------------------------------------
@@ -444,6 +727,11 @@ def cpu_profile() -> DeviceProfile:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 _OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
+#: Fields with a default (0: not modelled) that a new profile may leave out.
+_OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s",
+                    "op_type_overhead_s", "optimizer_bandwidth")
+_REQUIRED_FIELDS = tuple(f for f in _OVERRIDE_FIELDS
+                         if f not in _OPTIONAL_FIELDS)
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 _PREFIX = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
            "KI": 2.0**10, "MI": 2.0**20, "GI": 2.0**30, "TI": 2.0**40,
@@ -453,7 +741,10 @@ _UNITS = {  # field kind -> unit suffixes and the factor each stands for
     "rate": {"": 1, "B/S": 1, "BPS": 1, "BIT/S": 1 / 8, "BITS/S": 1 / 8},
     "flops": {"": 1, "FLOPS": 1, "FLOP/S": 1},
 }
-_FIELD_KIND = {"memory_bytes": "bytes", "memory_bandwidth": "rate",
+_FIELD_KIND = {"op_overhead_s": "seconds", "collective_latency_s": "seconds",
+               "op_type_overhead_s": "seconds by op type",
+               "optimizer_bandwidth": "rate or zero",
+               "memory_bytes": "bytes", "memory_bandwidth": "rate",
                "intra_node_bandwidth": "rate",
                "inter_node_bandwidth": "rate", "peak_flops": "flops"}
 
@@ -475,6 +766,31 @@ def parse_quantity(value: Any, kind: str, where: str) -> float:
     else:
         raise bad
     if not number > 0 or number == float("inf"):
+        raise bad
+    return number
+
+
+_SECONDS = {"": 1.0, "S": 1.0, "MS": 1e-3, "US": 1e-6, "NS": 1e-9}
+
+
+def parse_seconds(value: Any, where: str) -> float:
+    """A non-negative duration in seconds from a number or a string with a
+    unit ("3.5us", "0.2 ms", "1e-6"); 0 means "not modelled".  Raises
+    ConfigError naming `where` for anything else."""
+    bad = ConfigError(f"{where}: expected a non-negative number of seconds "
+                      f"or a string such as '3.5us', got {value!r}")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(_NUMBER + r"\s*([a-zA-Z]*)", value.strip())
+        if not match or match.group(2).upper() not in _SECONDS:
+            raise bad
+        number = float(match.group(1)) * _SECONDS[match.group(2).upper()]
+    else:
+        raise bad
+    if not 0 <= number < float("inf"):
         raise bad
     return number
 
@@ -511,6 +827,17 @@ def _validated_fields(fields: Mapping[str, Any], context: str) -> dict:
         where = f"{context}, field {field!r}"
         if field == "peak_flops":
             values[field] = _parse_flops(value, where)
+        elif _FIELD_KIND[field] == "seconds by op type":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: expected a mapping of op type "
+                                  f"to seconds, got {value!r}")
+            values[field] = {str(k): parse_seconds(v, f"{where}[{k!r}]")
+                             for k, v in value.items()}
+        elif _FIELD_KIND[field] == "rate or zero":
+            values[field] = 0.0 if value == 0 and not isinstance(
+                value, bool) else parse_quantity(value, "rate", where)
+        elif _FIELD_KIND[field] == "seconds":
+            values[field] = parse_seconds(value, where)
         else:
             values[field] = parse_quantity(value, _FIELD_KIND[field], where)
     return values
@@ -591,10 +918,10 @@ def _from_spec(key: str, spec: Any, overrides: Mapping | None,
     """Build the profile named `key` from its cluster.device_profiles entry."""
     base, fields = _spec_fields(key, spec)
     if base is None and _builtin_name(key) and \
-            set(fields) != set(_OVERRIDE_FIELDS):
+            not set(_REQUIRED_FIELDS) <= set(fields):
         base = _builtin_name(key)  # overriding some fields of a known one
     if base is None:
-        missing = [f for f in _OVERRIDE_FIELDS if f not in fields]
+        missing = [f for f in _REQUIRED_FIELDS if f not in fields]
         if missing:
             raise ConfigError(
                 f"cluster.device_profiles[{key!r}] defines a new profile but "
@@ -900,18 +1227,29 @@ def parse_cluster(spec: str, overrides: Mapping[str, Any] | None = None
 # Virtual CPU devices.
 # --------------------------------------------------------------------------
 
-def _cpu_share(n: int) -> DeviceProfile:
-    """The CPU profile split evenly among `n` virtual devices."""
-    cpu = cpu_profile()
+def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
+    """The "CPU" profile (the configured one, else the measured one) split
+    evenly among `n` virtual devices, which share its cores, memory and
+    memory bus: FLOP/s, memory, memory bandwidth and the collectives'
+    bandwidth divided by n, the per-op overhead multiplied by n (each
+    device's ops take turns on the same cores); the collective latency
+    stays."""
+    cpu = get_profile(CPU_PROFILE_NAME, overrides) \
+        if _find_override(CPU_PROFILE_NAME, overrides) else cpu_profile()
     if n == 1:
         return cpu
     return DeviceProfile(
-        name=f"{CPU_PROFILE_NAME}/{n}",
+        name=f"{cpu.name}/{n}",
         peak_flops={k: v / n for k, v in cpu.peak_flops.items()},
         memory_bytes=cpu.memory_bytes / n,
         memory_bandwidth=cpu.memory_bandwidth / n,
-        intra_node_bandwidth=cpu.intra_node_bandwidth,
-        inter_node_bandwidth=cpu.inter_node_bandwidth)
+        intra_node_bandwidth=cpu.intra_node_bandwidth / n,
+        inter_node_bandwidth=cpu.inter_node_bandwidth,
+        op_overhead_s=cpu.op_overhead_s * n,
+        collective_latency_s=cpu.collective_latency_s,
+        op_type_overhead_s={t: v * n for t, v in
+                            cpu.op_type_overhead_s.items()},
+        optimizer_bandwidth=cpu.optimizer_bandwidth / n)
 
 
 def _device_override(index: int, overrides: Mapping | None):
@@ -937,10 +1275,10 @@ def virtual_cpu_profiles(n: int, overrides: Mapping[str, Any] | None = None
 
     Returns:
         One profile per device.  A device without an entry gets the
-        configured "CPU" profile if there is one, otherwise the measured
-        CPU profile split evenly among the n devices (FLOP/s, memory and
-        memory bandwidth divided by n; named "CPU/n"), since virtual devices
-        share one host's cores and memory.
+        "CPU" profile -- the configured one if there is one (e.g. a file
+        from ``epl-plan --calibrate``), otherwise the measured one -- split
+        evenly among the n devices (`_cpu_share`; named "CPU/n"), since
+        virtual devices share one host's cores and memory.
     """
     if not isinstance(n, int) or n < 1:
         raise ClusterError(f"need at least one virtual CPU device, got {n!r}")
@@ -952,15 +1290,13 @@ def _virtual_cpu(index: int, n: int, overrides: Mapping | None
     """The profile of virtual device CPU:index among `n`."""
     found = _device_override(index, overrides)
     if found is None:
-        if _find_override(CPU_PROFILE_NAME, overrides):
-            return get_profile(CPU_PROFILE_NAME, overrides)
-        return _cpu_share(n)
+        return _cpu_share(n, overrides)
     key, spec = found
     if isinstance(spec, DeviceProfile):
         return spec
     if isinstance(spec, str):
         return get_profile(spec, overrides)
     base, fields = _spec_fields(key, spec)
-    start = get_profile(base, overrides) if base else _cpu_share(n)
+    start = get_profile(base, overrides) if base else _cpu_share(n, overrides)
     return dataclasses.replace(start.with_overrides(**fields),
                                name=f"CPU:{index}")

@@ -386,3 +386,62 @@ def test_comm_time_ring_all_reduce():
     assert cm.comm_time(1e9, 1e10, 4) == pytest.approx(2 * 3 / 4 * 0.1)
     assert cm.comm_time(1e9, 1e10, 1) == 0
     assert cm.comm_time(0, 1e10, 3, latency=1e-5) == pytest.approx(4e-5)
+
+
+# ------------------------------------------------------- per-op overhead --
+
+def test_op_overhead_time_and_gpu_profiles_unaffected():
+    cpu = get_profile("Slow", {"Slow": {"base": "A10", "op_overhead_s": "5us"}})
+    assert cm.op_overhead_time(1000, cpu) == pytest.approx(5e-3)
+    assert cm.op_overhead_time(0, cpu) == 0.0
+    assert cm.op_overhead_time(1000, get_profile("A10")) == 0.0
+
+
+def test_step_time_adds_op_overhead_and_collective_latency():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import plan_cluster
+    from epl.profiles import HostSpec
+    layer = LayerSpec("l", flops_per_example=1e6, bytes_per_example=1e4,
+                      parameter_bytes=1e6,
+                      op_counts=(("BatchMatMulV2", 100), ("MatMul", 300)))
+    model = ModelSpec("m", (layer,), optimizer="sgd")
+    base = get_profile("A10")
+    slow = base.with_overrides(name="A10-slow", op_overhead_s=1e-5,
+                               collective_latency_s=1e-4,
+                               op_type_overhead_s={"BatchMatMulV2": "20us"})
+    plain = plan_cluster(model, [HostSpec(base, 2)], global_batch=8)
+    costly = plan_cluster(model, [HostSpec(slow, 2)], global_batch=8)
+    name = "data-parallel, even split"
+    extra = costly.alternative(name).step_time - plain.alternative(name).step_time
+    # 400 ops x 10 us, 100 batched matmuls x 20 us more, one all-reduce's
+    # 2 (n - 1) = 2 ring steps x 100 us, and the fusion copies (concat and
+    # split: 4 x the gradients' bytes).
+    copies = 4 * 1e6 / base.memory_bandwidth
+    assert extra == pytest.approx(400 * 1e-5 + 100 * 2e-5 + 2 * 1e-4 + copies,
+                                  rel=1e-6)
+
+
+def test_op_overhead_time_by_type():
+    profile = get_profile("T", {"T": {"base": "A10", "op_overhead_s": 1e-6,
+                                      "op_type_overhead_s": {"Einsum": 5e-6}}})
+    assert cm.op_overhead_time((("Einsum", 2), ("Add", 3)), profile) == \
+        pytest.approx(2 * 6e-6 + 3 * 1e-6)
+    assert cm.op_overhead_time(4, profile) == pytest.approx(4e-6)
+
+
+def test_optimizer_bandwidth_sets_the_update_time():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import plan_cluster
+    from epl.profiles import HostSpec
+    layer = LayerSpec("l", flops_per_example=1e3, parameter_bytes=4e8)
+    model = ModelSpec("m", (layer,), optimizer="sgd")
+    base = get_profile("A10")
+    slow = base.with_overrides(name="A10-slow-update",
+                               optimizer_bandwidth="1GB/s")
+    name = "data-parallel, even split"
+    plain = plan_cluster(model, [HostSpec(base, 1)], global_batch=1)
+    costly = plan_cluster(model, [HostSpec(slow, 1)], global_batch=1)
+    # SGD moves 3 x the parameters; at 1 GB/s instead of the A10's 600 GB/s.
+    extra = costly.alternative(name).step_time - plain.alternative(name).step_time
+    assert extra == pytest.approx(3 * 4e8 / 1e9 - 3 * 4e8 / base.memory_bandwidth,
+                                  rel=1e-3)

@@ -204,3 +204,29 @@ def test_model_plans_without_importing_tensorflow():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip().endswith("TF-FREE")
+
+
+# -------------------------------------------------------------- calibrate --
+
+def test_calibrate_writes_a_profile_file_that_profiles_accepts(tmp_path, capsys):
+    from tools import epl_plan
+    out = tmp_path / "cpu.json"
+    assert epl_plan.main(["--calibrate", "--output", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote the CPU profile to {out}")
+    written = json.loads(out.read_text())
+    assert list(written) == ["CPU"]
+    assert written["CPU"]["op_overhead_s"] > 0
+    assert epl_plan.main(["--model", "bert-base", "--cluster", "1x2xCPU",
+                          "--profiles", str(out)]) == 0
+    assert "2 x CPU" in capsys.readouterr().out
+
+
+def test_calibrate_errors(tmp_path, capsys):
+    from tools import epl_plan
+    assert epl_plan.main(["--model", "bert-base"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "epl-plan: error: --cluster is required (or use --calibrate)")
+    assert epl_plan.main(["--model", "bert-base", "--cluster", "1xA10",
+                          "--output", "x.json"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "epl-plan: error: --output is for --calibrate")

@@ -4,11 +4,12 @@ An MLP built here, data-parallel over 2 virtual CPU devices, and each example
 under examples/ (bench/calibration.py: captured as epl-plan --script captures
 it, then run as a subprocess with small settings and timed from its samples/s
 lines; the bench takes the median of several runs) are planned with the
-measured CPU profile of their virtual devices. The ratios are printed
-at the end of the test log ("reported figures"); the assertion is only a loose
-bound, since the roofline model does not see TensorFlow's per-op overhead,
-which dominates the examples' small steps, and the CPU profile is measured on
-a shared machine.
+measured CPU profile of their virtual devices (`calibrate_cpu_profile`: the
+per-op, per-kernel, optimizer and collective terms the examples' small steps
+are made of). The ratios are printed at the end of the test log ("reported
+figures"); the assertion is a bound with margin for a noisy machine of
+another kind (core count, vector width), since both the profile and the
+step are measured on a shared machine.
 """
 import os
 import statistics
@@ -22,6 +23,19 @@ import tensorflow as tf
 import epl
 from epl.planner.planner import plan_cluster
 from epl.profiles import HostSpec, virtual_cpu_profiles
+
+
+#: The bound this test enforces on every predicted/measured ratio (each
+#: example, one run each, and the MLP built here).  The target is
+#: bench/calibration.py's 0.7-1.3.  Before the per-op, per-kernel, optimizer
+#: and collective terms (median of 3 runs, shared 2-core machine): train_mlp
+#: 0.25, large_classifier 0.49, m6_mini 0.14, bert_pipeline 0.32.  With
+#: them, bench runs and this test's runs within an hour: 0.32-0.42,
+#: 0.35-0.77, 0.31-0.54, 0.43-1.12, the MLP here 0.43-0.45 (the machine's
+#: load moves the profile and the steps).  The bound leaves about 2x below
+#: the lowest and 2.2x above the highest for a noisy machine of another
+#: kind.
+EXAMPLE_BOUND = (0.15, 2.5)
 
 
 def _mlp(x, y):
@@ -58,7 +72,7 @@ def test_predicted_vs_measured_step_time(epl_env, report, batch):
     ratio = predicted / measured
     report(f"calibration[mlp batch {batch}]: predicted {predicted * 1e3:.2f} ms, "
           f"measured {measured * 1e3:.2f} ms, predicted/measured = {ratio:.2f}")
-    assert 0.02 < ratio < 50
+    assert EXAMPLE_BOUND[0] < ratio < EXAMPLE_BOUND[1]  # measured 0.43-0.45
 
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -66,14 +80,6 @@ sys.path.insert(0, BENCH_DIR)
 
 import calibration  # noqa: E402  (bench/calibration.py)
 
-#: The bound this test enforces on every example's predicted/measured ratio
-#: (one run each).  The target is bench/calibration.py's 0.7-1.3, which the
-#: model misses today: measured (median of 3 runs, shared 2-core machine)
-#: train_mlp 0.25, large_classifier 0.49, m6_mini 0.14, bert_pipeline 0.32,
-#: under-predictions from TensorFlow's per-op overhead the roofline ignores.
-#: The bound leaves 2.8x below the worst for machine noise and fails on a
-#: model that over-predicts 2x or under-predicts 20x.
-EXAMPLE_BOUND = (0.05, 2.0)
 
 
 @pytest.mark.parametrize("example", calibration.EXAMPLES, ids=lambda e: e.script)

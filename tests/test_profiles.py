@@ -131,9 +131,9 @@ def test_override_unknown_field_lists_valid_fields():
     assert str(info.value) == (
         "cluster.device_profiles['X']: unknown device profile field(s) "
         "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
-        "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth'] "
-        "(and 'base' in cluster.device_profiles, naming a profile to start "
-        "from)")
+        "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
+        "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s', "
+        "'optimizer_bandwidth'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
 
 
 def test_override_new_profile_needs_all_fields_or_a_base():
@@ -357,10 +357,12 @@ def test_virtual_cpu_profiles_stand_for_a_mixed_cluster():
                  **FIXED_CPU}
     devices = virtual_cpu_profiles(5, overrides)
     assert [d.name for d in devices] == [
-        "V100-32GB", "V100-32GB", "T4", "CPU:3", "CPU"]
+        "V100-32GB", "V100-32GB", "T4", "CPU:3", "CPU/5"]
     assert devices[3].memory_bytes == 8 * GiB
     assert devices[3].flops("float16") == 65e12
-    assert devices[4].flops() == 1e11
+    # The configured "CPU" is the whole machine; the 5 devices share it.
+    assert devices[4].flops() == pytest.approx(1e11 / 5)
+    assert devices[4].memory_bytes == pytest.approx(8 * GiB / 5)
 
 
 def test_virtual_cpu_profiles_default_share_the_measured_cpu():
@@ -390,3 +392,77 @@ def test_device_profile_to_dict_round_trips_through_overrides():
     fields = {k: v for k, v in a10.to_dict().items() if k != "name"}
     assert get_profile("Copy", {"Copy": fields}) == DeviceProfile(
         **{**a10.to_dict(), "name": "Copy"})
+
+
+# ------------------------------------------------------------ calibration --
+
+def test_cpu_share_divides_rates_and_multiplies_op_overhead():
+    cpu = {"CPU": {**FIXED_CPU["CPU"], "op_overhead_s": "2us",
+                   "collective_latency_s": 3e-5}}
+    one, = virtual_cpu_profiles(1, cpu)
+    four = virtual_cpu_profiles(4, cpu)[0]
+    assert one.op_overhead_s == pytest.approx(2e-6)
+    assert four.name == "CPU/4"
+    assert four.op_overhead_s == pytest.approx(8e-6)
+    assert four.intra_node_bandwidth == pytest.approx(2e10 / 4)
+    assert four.memory_bandwidth == pytest.approx(2e10 / 4)
+    assert four.collective_latency_s == pytest.approx(3e-5)
+
+
+def test_gpu_profiles_have_no_overhead_terms():
+    for name in profiles.known_profiles():
+        if name != profiles.CPU_PROFILE_NAME:
+            assert get_profile(name).op_overhead_s == 0.0
+            assert get_profile(name).collective_latency_s == 0.0
+            assert get_profile(name).op_type_overhead_s == {}
+            assert get_profile(name).optimizer_bandwidth == 0.0
+
+
+def test_new_profile_may_leave_out_the_overhead_fields():
+    profile = get_profile("Mine", {"Mine": dict(FIXED_CPU["CPU"])})
+    assert profile.op_overhead_s == 0.0
+    assert profile.collective_latency_s == 0.0
+
+
+@pytest.mark.parametrize("value,seconds", [
+    (0, 0.0), (2e-6, 2e-6), ("3.5us", 3.5e-6), ("0.2 ms", 2e-4),
+    ("1s", 1.0), ("40ns", 4e-8)])
+def test_parse_seconds(value, seconds):
+    assert profiles.parse_seconds(value, "here") == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", [-1, "3 parsecs", True, None, "abc"])
+def test_parse_seconds_rejects(value):
+    with pytest.raises(ConfigError) as info:
+        profiles.parse_seconds(value, "here")
+    assert str(info.value) == (
+        f"here: expected a non-negative number of seconds or a string such "
+        f"as '3.5us', got {value!r}")
+
+
+def test_overhead_field_error_names_the_profile_and_field():
+    with pytest.raises(ConfigError) as info:
+        get_profile("A100", {"A100": {"op_overhead_s": "fast"}})
+    assert str(info.value) == (
+        "cluster.device_profiles['A100'], field 'op_overhead_s': expected a "
+        "non-negative number of seconds or a string such as '3.5us', got "
+        "'fast'")
+
+
+def test_measured_cpu_profile_has_overhead_terms_and_round_trips():
+    cpu = profiles.cpu_profile()
+    assert cpu.op_overhead_s > 0
+    assert cpu.collective_latency_s > 0
+    assert cpu.intra_node_bandwidth > 1e8
+    written = profiles.profile_file(cpu)
+    assert list(written) == ["CPU"]
+    again = virtual_cpu_profiles(1, written)[0]
+    assert again == cpu
+
+
+def test_op_type_overhead_must_be_a_mapping():
+    with pytest.raises(ConfigError) as info:
+        get_profile("A100", {"A100": {"op_type_overhead_s": 3}})
+    assert str(info.value) == (
+        "cluster.device_profiles['A100'], field 'op_type_overhead_s': "
+        "expected a mapping of op type to seconds, got 3")

@@ -5,6 +5,7 @@
              [--dtype float32|float16] [--offload] [--pipeline-stages S]
              [--micro-batches M] [--efficiency E] [--profiles JSON]
              [--json]
+    epl-plan --calibrate [--output FILE]
 
 SPEC is a cluster string such as "2x8xV100-32GB,2x8xT4" (HOSTS x DEVICES x
 PROFILE tokens; see epl.profiles.parse_cluster).  A token may end with its
@@ -47,6 +48,15 @@ same as JSON (`ClusterPlan.as_dict`).
 Identical hosts (same profile, device count and network) are planned as
 one group, so a cluster of 100,000 hosts plans in seconds.  ``--model``
 never imports TensorFlow; ``--graph`` and ``--script`` do.
+
+``--calibrate`` measures this machine's "CPU" profile with TensorFlow's
+micro-benchmark (`epl.profiles.calibrate_cpu_profile`: per-op overhead,
+matmul rate, memory bandwidth, the local collectives' latency and
+bandwidth) and prints it, or writes it to ``--output FILE``, as the JSON
+object that ``--profiles FILE`` and ``cluster.device_profiles`` accept
+(``{"CPU": {...}}``; virtual CPU devices share it).  Giving that file skips
+the measurement every process would otherwise make, and lets every worker
+plan with the same figures.  GPU profiles keep their published figures.
 
 Errors (a cluster string that does not parse, an unknown device profile, a
 model that fits nowhere, a missing or unreadable file, a script that builds
@@ -398,13 +408,17 @@ def _parser() -> argparse.ArgumentParser:
         prog="epl-plan",
         description="Dry-run planner: per-device work, memory and predicted "
                     "time of a model on a cluster, with no accelerator.")
-    parser.add_argument("--cluster", required=True,
+    parser.add_argument("--cluster",
                         help='cluster string, e.g. "2x8xV100-32GB,2x8xT4"; '
                              'a token may end with its hosts\' network, '
                              '"@NICSxRATE": "2x8xA100-80GB@8x200Gbps,'
                              '2x8xT4@1x100Gbps" (default: one 100 Gb/s NIC '
                              'per host)')
     source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--calibrate", action="store_true",
+                        help='measure this machine\'s "CPU" profile and '
+                             'print it (or write it to --output) as a '
+                             '--profiles file')
     source.add_argument("--model", help="built-in model: "
                         + ", ".join(sorted(BUILTIN_MODELS)))
     source.add_argument("--graph", help="saved GraphDef (.pbtxt or .pb)")
@@ -439,6 +453,8 @@ def _parser() -> argparse.ArgumentParser:
                              "group of identical devices, alternatives with "
                              "their step time or the constraint that ruled "
                              "them out, unknown op types)")
+    parser.add_argument("--output", default=None,
+                        help="--calibrate: the profile file to write")
     parser.add_argument("script_args", nargs="*",
                         help="arguments for --script (after --)")
     return parser
@@ -504,9 +520,36 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
     return model_from_graph(graph, name=name), config, None
 
 
+def calibrate(output: str | None) -> str:
+    """--calibrate: measure the CPU profile; write it to `output` when given.
+
+    Returns the profile file's JSON text, or a line naming the file written.
+    Raises PlanInputError when `output` cannot be written.
+    """
+    from epl.profiles import calibrate_cpu_profile, profile_file
+    text = json.dumps(profile_file(calibrate_cpu_profile()), indent=1)
+    if output is None:
+        return text
+    try:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    except OSError as err:
+        raise PlanInputError(f"--output: cannot write {output!r}: "
+                             f"{err.strerror}") from None
+    return f"wrote the CPU profile to {output} (use it with --profiles " \
+           f"{output} or as cluster.device_profiles)"
+
+
 def run(args: argparse.Namespace) -> str:
     """Plan as the flags say; returns explain()'s text, or with --json the
-    plan's `ClusterPlan.as_dict()` as JSON."""
+    plan's `ClusterPlan.as_dict()` as JSON; with --calibrate, `calibrate`'s
+    answer."""
+    if args.calibrate:
+        return calibrate(args.output)
+    if args.output:
+        raise PlanInputError("--output is for --calibrate")
+    if not args.cluster:
+        raise PlanInputError("--cluster is required (or use --calibrate)")
     from epl.planner.planner import plan_cluster
     from epl.profiles import parse_cluster
     overrides = _overrides(args.profiles)

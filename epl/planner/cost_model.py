@@ -10,8 +10,9 @@ op names -- and runs nothing.
   each group's ops read.
 - `memory_estimate(...)` estimates per group the bytes of parameters,
   gradients, optimizer slots and activations kept for the backward pass.
-- `predict_time` and `comm_time` turn costs into seconds on a
-  `epl.profiles.DeviceProfile` (roofline and ring all-reduce models);
+- `predict_time`, `op_overhead_time` and `comm_time` turn costs into
+  seconds on a `epl.profiles.DeviceProfile` (roofline, per-op executor
+  overhead and ring all-reduce models);
   they, `GroupCost`, `optimizer_slots` and `checkpointed_bytes` live in
   the TensorFlow-free `epl.planner.roofline` and are re-exported here.
 
@@ -70,7 +71,8 @@ from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.planner.roofline import (APPLY_OPS, DEFAULT_EFFICIENCY,  # noqa: F401
                                   OPTIMIZER_SLOTS, GroupCost,
                                   checkpointed_bytes, comm_time,
-                                  optimizer_slots, predict_time)
+                                  op_overhead_time, optimizer_slots,
+                                  predict_time)
 
 FORWARD, BACKWARD, APPLY, OTHER = "forward", "backward", "apply", "other"
 #: The group key when no group function is given.

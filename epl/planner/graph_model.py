@@ -205,7 +205,19 @@ def _graph_split_layer(key: Hashable, costs: _Measure,
         split_activation_bytes_per_example=memory[False].per_example(
             key, "activations"),
         split_parameter_bytes=_field(memory[False].values[1].get(key),
-                                     "parameters"))
+                                     "parameters"),
+        op_counts=_op_counts(key, costs))
+
+
+def _op_counts(key: Hashable, costs: _Measure) -> tuple[tuple[str, int], ...]:
+    """(op type, count) of one replica of TaskGraph `key` per step: its
+    forward, backward and apply groups' ops, by type (sorted)."""
+    counts: dict[str, int] = {}
+    for phase in (cm.FORWARD, cm.BACKWARD, cm.APPLY):
+        group = costs.values[1].get((key, phase))
+        for op_type, count in (group.op_types if group else {}).items():
+            counts[op_type] = counts.get(op_type, 0) + count
+    return tuple(sorted(counts.items()))
 
 
 def _split_dimension(graph: Any, split_names: set) -> int:
@@ -237,7 +249,7 @@ def _graph_layer(key: Hashable, stage: int, costs: _Measure,
             key, "activations"),
         parameter_bytes=_field(memory[False].values[1].get(key),
                                "parameters"),
-        stage=stage)
+        stage=stage, op_counts=_op_counts(key, costs))
 
 
 def _group_functions(graph: Any, view: Any

@@ -42,6 +42,11 @@ class LayerSpec:
         alltoall_bytes_per_example: bytes one example sends to other devices
             for its split part (dispatch + combine, forward + backward).
         stage: the annotated stage (TaskGraph index).
+        op_counts: (op type, count) of the ops one replica of the layer
+            runs per step (forward, backward and its optimizer update);
+            each op costs its device's `DeviceProfile.op_overhead_s` (plus
+            `op_type_overhead_s` for its type) on top of the roofline.
+            Empty where unknown (the built-in analytic models).
     """
 
     name: str
@@ -57,6 +62,12 @@ class LayerSpec:
     split_activation_bytes_per_example: float = 0.0
     alltoall_bytes_per_example: float = 0.0
     stage: int = 0
+    op_counts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def ops_per_step(self) -> int:
+        """Ops one replica of the layer runs per step."""
+        return sum(count for _, count in self.op_counts)
 
 
 @dataclasses.dataclass(frozen=True)

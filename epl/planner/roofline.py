@@ -5,8 +5,9 @@ holds what the planner needs once a model is numbers, so that planning a
 built-in analytic model (``epl-plan --model``) never imports TensorFlow:
 
 - `GroupCost`, the summed cost of a group of ops;
-- `predict_time` (roofline) and `comm_time` (ring all-reduce), seconds on
-  an `epl.profiles.DeviceProfile`;
+- `predict_time` (roofline), `op_overhead_time` (per-op executor cost) and
+  `comm_time` (ring all-reduce), seconds on an
+  `epl.profiles.DeviceProfile`;
 - `optimizer_slots` / `OPTIMIZER_SLOTS` and `APPLY_OPS` (per-parameter
   FLOPs and slots of optimizer apply ops);
 - `checkpointed_bytes`, activations kept under gradient checkpointing.
@@ -123,6 +124,24 @@ def predict_time(cost: Any, profile: Any,
     compute = cost.flops / (profile.flops(dtype) * efficiency)
     memory = cost.bytes / (profile.memory_bandwidth * memory_efficiency)
     return max(compute, memory)
+
+
+def op_overhead_time(ops: Any, profile: Any) -> float:
+    """Seconds some ops cost on `profile`'s device beyond their roofline
+    time (the executor's per-op launch and scheduling, and the fixed cost
+    of kernels such as small batched matmuls).
+
+    `ops` is a number of ops, each costing `DeviceProfile.op_overhead_s`,
+    or (op type, count) pairs, each op costing op_overhead_s plus
+    `DeviceProfile.op_type_overhead_s` of its type.  0 for profiles
+    without these figures, such as the GPU table's.
+    """
+    base = getattr(profile, "op_overhead_s", 0.0)
+    if isinstance(ops, (int, float)):
+        return ops * base if ops > 0 else 0.0
+    extra = getattr(profile, "op_type_overhead_s", {}) or {}
+    return sum(count * (base + extra.get(op_type, 0.0))
+               for op_type, count in ops)
 
 
 def comm_time(nbytes: float, bandwidth: float, n: int,

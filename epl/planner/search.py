@@ -25,7 +25,9 @@ from epl.planner.model_spec import ModelSpec
 from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
                                  PlanOptions)
 from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
-                                   _per_example_time, _ring_link,
+                                   _allreduce_time, _per_example_time,
+                                   merge_op_counts,
+                                   _ring_link,
                                    _slowest_link, _totals)
 from epl.profiles import DeviceProfile, HostSpec, normalize_dtype, parse_cluster
 
@@ -262,7 +264,7 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
     else:
         parts = balance.grouped_proportional_shares(
             ctx.global_batch, [1.0] * len(reps), members)
-    comm = cm.comm_time(totals.params, _ring_link(ctx), n) + \
+    comm = _allreduce_time(reps, totals.params, _ring_link(ctx), n) + \
         state.offload_traffic / ctx.options.host_link_bandwidth
     rows = []
     for device, group in zip(reps, parts):
@@ -274,7 +276,7 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
                 activations=state.activations + batch * totals.act,
                 usable=ctx.usable(device),
                 compute_s=ctx.time(device, batch * totals.flops,
-                                   batch * totals.bytes)
+                                   batch * totals.bytes, totals.op_counts)
                 + ctx.update_time(device, state.update_bytes),
                 comm_s=comm, host_bytes=state.host,
                 host_usable=ctx.options.host_memory_per_device
@@ -424,13 +426,14 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
     """
     devices, n = ctx.devices, len(ctx.devices)
     bandwidth, _ = _slowest_link(devices)
-    allreduce = cm.comm_time(totals.params, bandwidth, n)
+    allreduce = _allreduce_time(devices, totals.params, bandwidth)
     alltoall = _alltoall_time(ctx, totals, units, batch)
     dense, expert = [], []
     for device, u, b in zip(devices, units, batch):
         share = u / ctx.model.split_units if ctx.model.split_units else 0.0
         tokens = ctx.global_batch * share
-        dense.append(ctx.time(device, b * totals.flops, b * totals.bytes))
+        dense.append(ctx.time(device, b * totals.flops, b * totals.bytes,
+                              totals.op_counts))
         expert.append(ctx.time(device, tokens * totals.split_flops,
                                tokens * totals.split_bytes))
     barrier = _barriers(ctx, totals)
@@ -581,7 +584,8 @@ def _sum_totals(per_layer: list[_Totals]) -> _Totals:
         params=sum(t.params for t in per_layer), split_params=0.0,
         split_flops=0.0, split_bytes=0.0, split_act=0.0, alltoall=0.0,
         largest_layer_params=max(t.params for t in per_layer),
-        largest_layer_split_params=0.0)
+        largest_layer_split_params=0.0,
+        op_counts=merge_op_counts(t.op_counts for t in per_layer))
 
 
 def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
@@ -616,11 +620,12 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
             part = _sum_totals(per_layer[a:b])
             mb = batch[r] / micro
             per_mb = [ctx.time(d, _sum_totals(per_layer[x:y]).flops * mb,
-                               _sum_totals(per_layer[x:y]).bytes * mb)
+                               _sum_totals(per_layer[x:y]).bytes * mb,
+                               _sum_totals(per_layer[x:y]).op_counts)
                       for d, (x, y) in zip(group, cut.bounds)]
             compute = (micro + stages - 1) * max(per_mb) + ctx.update_time(
                 group[s], part.params)
-            comm = cm.comm_time(part.params, bandwidth, len(groups))
+            comm = _allreduce_time(members, part.params, bandwidth)
             host = part.params * (2 + ctx.slots) if ctx.options.offload \
                 else 0.0
             if ctx.options.offload:

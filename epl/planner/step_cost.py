@@ -48,6 +48,7 @@ class _Totals:
     alltoall: float
     largest_layer_params: float
     largest_layer_split_params: float
+    op_counts: tuple[tuple[str, int], ...] = ()
 
 
 def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
@@ -91,7 +92,17 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
         split_act=split_act, alltoall=total("alltoall_bytes_per_example"),
         largest_layer_params=max(l.parameter_bytes for l in layers),
         largest_layer_split_params=max(l.split_parameter_bytes
-                                       for l in layers))
+                                       for l in layers),
+        op_counts=merge_op_counts(l.op_counts for l in layers))
+
+
+def merge_op_counts(parts) -> tuple[tuple[str, int], ...]:
+    """Sum several (op type, count) tuples into one, sorted by type."""
+    counts: dict[str, int] = {}
+    for part in parts:
+        for op_type, count in part:
+            counts[op_type] = counts.get(op_type, 0) + count
+    return tuple(sorted(counts.items()))
 
 
 # --------------------------------------------------------------------------
@@ -127,23 +138,31 @@ class _Context:
         """Bytes a plan may use on `device`."""
         return device.profile.memory_bytes * self.options.usable_fraction
 
-    def time(self, device: ClusterDevice, flops: float, nbytes: float
-             ) -> float:
-        """Roofline seconds of (flops, bytes) on `device`."""
+    def time(self, device: ClusterDevice, flops: float, nbytes: float,
+             op_counts: tuple[tuple[str, int], ...] = ()) -> float:
+        """Seconds of (flops, bytes) on `device`: the roofline, plus the
+        device's per-op overhead for the ops of `op_counts` ((type, count)
+        pairs; `cm.op_overhead_time`)."""
+        overhead = cm.op_overhead_time(op_counts, device.profile)
         if flops <= 0 and nbytes <= 0:
-            return 0.0
+            return overhead
         return cm.predict_time(cm.GroupCost(flops=flops, bytes=nbytes),
                                device.profile, self.dtype,
-                               self.options.efficiency)
+                               self.options.efficiency) + overhead
 
     def update_time(self, device: ClusterDevice, param_bytes: float) -> float:
         """Seconds of the optimizer update of `param_bytes` on `device`
-        (zero under offload: the host runs it)."""
+        (zero under offload: the host runs it): the roofline of its FLOPs
+        and bytes, the bytes at the profile's `optimizer_bandwidth` where
+        it has one (the CPU's apply kernels move far less than a copy)."""
         if self.options.offload or param_bytes <= 0:
             return 0.0
         cost = optimizer_update_cost(param_bytes,
                                      self.model.parameter_dtype_bytes,
                                      self.optimizer)
+        rate = device.profile.optimizer_bandwidth
+        if rate > 0:  # a calibrated profile: the apply kernels' own rate
+            return max(self.time(device, cost.flops, 0.0), cost.bytes / rate)
         return self.time(device, cost.flops, cost.bytes)
 
 
@@ -169,6 +188,29 @@ def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
     if intra and min(intra) < network:
         return min(intra), "intra-node"
     return network, "inter-node"
+
+
+def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
+                    bandwidth: float, n: int | None = None) -> float:
+    """Seconds of one step's gradient all-reduce of `nbytes` over
+    `devices` (a ring at `bandwidth`, `cm.comm_time`), with the copies
+    around it: EPL fuses the gradients into one buffer (a concat in, a
+    split out: each reads and writes the buffer, at the slowest device's
+    memory bandwidth; counted where the profile has a collective latency,
+    i.e. was calibrated) and reduces it in one collective, whose ring steps
+    each pay the slowest device's `collective_latency_s`.  `n`: devices in
+    the ring, default len(devices) (`devices` may be one representative
+    per class of identical devices).  Zero on one device."""
+    n = len(devices) if n is None else n
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    latency = max(d.profile.collective_latency_s for d in devices)
+    # The copies are counted with the latency, for calibrated profiles
+    # only: the GPU table's published figures have neither (a GPU
+    # calibration would add both).
+    copies = 4 * nbytes / min(d.profile.memory_bandwidth for d in devices) \
+        if latency > 0 else 0.0
+    return cm.comm_time(nbytes, bandwidth, n, latency) + copies
 
 
 def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
