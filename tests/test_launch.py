@@ -295,7 +295,9 @@ def test_worker_exiting_with_a_message_is_quoted(tmp_path):
     assert re.fullmatch(r"epl-launch: worker 1 failed \(exit (1|143)\): bad shard 3 at step 3",
                         job.text[-1]), "\n".join(job.text)[-4000:]
     exited, _ = job.first("[1]<stderr>:bad shard 3 at step 3")
-    assert job.end - exited < 20
+    # the job ends within the collective timeout (--timeout 20) plus 5 s of slack, the
+    # bound EPL documents for a failure (tests/test_worker_failures.py)
+    assert job.end - exited <= 20 + 5
 
 
 @pytest.mark.multiworker
