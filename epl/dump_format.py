@@ -69,7 +69,7 @@ INPUT_PASS_NAME = "input"
 FORMAT_VERSION = 2
 GRAPH_SUFFIX = ".pb"
 MAX_CONSTANT_BYTES = 1024
-ELIDED_ATTR = DUMP_ELIDED_ATTR
+ELIDED_ATTR = DUMP_ELIDED_ATTR  # its name in this module's API (tests, epl-dump)
 RANK_DIR_PREFIX = "rank_"
 FRESH_DUMP_HINT = "write a fresh dump (run the script again with debug.dump_dir set)"
 

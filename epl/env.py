@@ -27,8 +27,7 @@ import weakref
 
 from epl.config import Config
 from epl.errors import ConfigError, ParallelizeError
-from epl.ir.taskgraph import graph_state
-from epl.ir.taskgraph import _STATES
+from epl.ir.taskgraph import _STATES, graph_state
 
 _ENV: dict = {"config": None, "cluster": None, "defaults": None}
 # graph -> the config its EPL annotations were made under, for graphs that were

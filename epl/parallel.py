@@ -21,14 +21,17 @@ import tensorflow as tf
 from epl.cluster import Cluster, local_cluster
 from epl.env import config_for, get_config
 from epl.errors import ParallelizeError
+from epl.ir.autodiff import internal_autodiff
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
-from epl.ir.autodiff import internal_autodiff
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_local_plan, split_layout
 from epl.planner.planner import local_profiles, local_shard_weights
+from epl.runtime.collective_check import check_collectives_agree
 from epl.runtime.communicators import make_communicator
+from epl.runtime.trace import make_tracer
 from epl.strategies import EAGER_HINT
+from epl.summary import format_summary, summarize
 from graph_passes.amp import AmpPass
 from graph_passes.annotate import AnnotatePass
 from graph_passes.apply_groups import ApplyGroupsPass
@@ -42,9 +45,6 @@ from graph_passes.schedule import SchedulePass
 from graph_passes.split import SplitPass, SplitPlan
 from graph_passes.verify import InvariantInstrument, VerifyPass
 from graph_passes.zero import ZeroPass
-from epl.runtime.collective_check import check_collectives_agree
-from epl.runtime.trace import make_tracer
-from epl.summary import format_summary, summarize
 
 
 def gradient_time_pipeline() -> list:

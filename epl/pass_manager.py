@@ -18,12 +18,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from epl.errors import EPLError, PassError
 from epl.dump_format import rank_dump_dir, write_pass_dump
+from epl.errors import EPLError, PassError
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.attrs import set_string_attrs
 from epl.ir.taskgraph import graph_state
-from epl.ir import graph_mutation
 
 
 @dataclasses.dataclass

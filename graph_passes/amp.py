@@ -39,12 +39,12 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels
 
 from epl.errors import ParallelizeError
-from epl.logs import get_logger
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.graph_view import input_args
+from epl.logs import get_logger
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
-from epl.ir import graph_mutation
 
 # the one list of op types AMP lowers, shared with the planner's memory model
 _LOG = get_logger(__name__)

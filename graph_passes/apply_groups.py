@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.ir import graph_mutation
 
 
 def _is_update(op: tf.Operation) -> bool:

@@ -74,13 +74,13 @@ import dataclasses
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
+from epl.ir import graph_mutation
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 from epl.ir.graph_view import (VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs,
                                training_steps)
 from epl.ir.taskgraph import GraphState
 from epl.planner import balance, cost_model
 from epl.profiles import get_profile
-from epl.ir import graph_mutation
 
 STAGE_NAME = "stage_{}"
 MAX_CROSSING = 4

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from graph_passes.amp import DYNAMIC_GROWTH_STEPS
-from epl.ir import graph_mutation
 
 SCOPE = "EPL_LOSS_SCALE"
 READ_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "Identity", "ResourceGather",

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from epl.ir import graph_mutation
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.ir import graph_mutation
 
 
 def offloaded_ops(graph: tf.Graph, variables: set) -> list[tf.Operation]:

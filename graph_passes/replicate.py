@@ -53,6 +53,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.ir import recompute
+from epl.ir import graph_mutation
 from epl.ir.annotations import Phase
 from epl.ir.backward_copy import functional_backward
 from epl.ir.clone import NodeBatch, with_dynamic_rows
@@ -63,7 +64,6 @@ from graph_passes.replication.accumulate import accumulate
 from graph_passes.replication.merge import merge_fetches, merge_split_losses
 from graph_passes.replication.mirrors import mirror_variables, sync_ops, write_local_sync
 from graph_passes.replication.result import Copies, Replication, Setup
-from epl.ir import graph_mutation
 
 
 def num_micro_batches(config) -> int:

@@ -41,13 +41,13 @@ import dataclasses
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
+from epl.ir import graph_mutation
 from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, SCHEDULE_EDGE_ATTR,
                                 TASKGRAPH_ATTR, Phase)
 from epl.ir.graph_view import ancestors
 from epl.ir.schedule import BACKWARD, FORWARD, Schedule, Step, make_schedule
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from graph_passes.verify import check_acyclic
-from epl.ir import graph_mutation
 
 
 

@@ -89,19 +89,18 @@ import warnings
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
-from epl.logs import get_logger
-from epl.ir.annotations import SHARD_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, StrategyKind
-from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs
-from epl.ir.clone import clone_op, replace_input
-from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.sharded_variable import shard_existing, shard_sizes
-from epl.ir.taskgraph import graph_state
-from epl.runtime.horovod_comm import horovod
 from epl.ir import graph_mutation
+from epl.ir.annotations import SHARD_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, StrategyKind
+from epl.ir.clone import clone_op, replace_input
+from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs
+from epl.ir.taskgraph import graph_state
+from epl.logs import get_logger
+from epl.pass_manager import GraphPass, PassContext, PassResult
+from epl.runtime.horovod_comm import horovod
+from epl.sharded_variable import shard_existing, shard_sizes
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
 _LOG = get_logger(__name__)
-REPLACED_ATTR = SPLIT_REPLACED_ATTR
 
 
 class SplitFallbackWarning(UserWarning):
@@ -551,7 +550,7 @@ class _Rewriter:
                 replace_input(consumer, tensor, self.value(layout, tensor))
                 self.record.ops.extend(self.graph.get_operations()[first:])
         for op in self.record.replaced:
-            graph_mutation.set_attr(op, REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
+            graph_mutation.set_attr(op, SPLIT_REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
         for op in list(region) + self.record.ops:
             if not op.device and op not in self.record.replaced:
                 graph_mutation.set_device(op, self.plan.devices[0])
@@ -1214,7 +1213,8 @@ class SplitPass(GraphPass):
                 rewriter.run(region, batch_derived)
                 rewriter.finish(set(region))
             for variable_op, sharded in rewriter.sharded.items():
-                graph_mutation.set_attr(variable_op, REPLACED_ATTR, tf.compat.v1.AttrValue(b=True))
+                graph_mutation.set_attr(variable_op, SPLIT_REPLACED_ATTR,
+                                        tf.compat.v1.AttrValue(b=True))
             records.append(record)
             notes.append(f"{taskgraph.name}: {len(record.variables)} variable(s) sharded over "
                          f"{len(record.plan.devices)} devices "

@@ -17,8 +17,8 @@ from tensorflow.python.client import pywrap_tf_session as c_api
 from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase
 from epl.ir.graph_view import ancestors
-from epl.pass_manager import GraphPass, Instrument, PassContext, PassResult
 from epl.ir.taskgraph import graph_state
+from epl.pass_manager import GraphPass, Instrument, PassContext, PassResult
 
 MAX_LISTED = 10
 

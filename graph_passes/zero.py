@@ -62,12 +62,12 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
-from epl.logs import get_logger
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.logs import get_logger
 from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.ir import graph_mutation
 
 SCOPE = "EPL_ZERO"
 

@@ -24,13 +24,13 @@ import tensorflow as tf
 
 from epl.env import get_config, is_initialized
 from epl.errors import ParallelizeError
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
 from epl.ir.autodiff import inside_internal_autodiff, internal_autodiff
 from epl.ir.taskgraph import TrainStep, graph_state
 from epl.parallel import run_gradient_time_pipeline
 from epl.sharded_variable import expand_views
 from epl.strategies import check_graph_mode
-from epl.ir import graph_mutation
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _ORIGINAL = {}

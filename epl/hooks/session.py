@@ -30,13 +30,13 @@ import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
 from epl.ir.graph_view import ancestors
+from epl.ir.recompute import gradient_difference, gradient_pairs
 from epl.ir.taskgraph import graph_state
 from epl.parallel import ParallelGraph, needs_parallelize, parallel_graph, parallelize
-from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
-from epl.ir.recompute import gradient_difference, gradient_pairs
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
 from epl.runtime.horovod_comm import collective_label
+from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
 from epl.runtime.worker_status import STATUS
 
 # Op types that restore variables from a checkpoint (a Saver's restore).

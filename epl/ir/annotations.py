@@ -23,7 +23,7 @@ COLLECTIVE_ATTR = "_epl_collective"  # string on Horovod ops: what they carry, i
 RECOMPUTE_ATTR = "_epl_recompute"    # bool: a recomputed (gradient checkpointing) forward copy
 RECOMPUTE_SHAPE_ATTR = "_epl_recompute_shape"  # bool: Shape op recompute added on a forward tensor
 SCHEDULE_EDGE_ATTR = "_epl_schedule_edge"  # string on pipeline barrier NoOps: "F1->B0"
-DUMP_ELIDED_ATTR = "_epl_dump_elided"  # in dumps only: a large constant whose value was left out
+DUMP_ELIDED_ATTR = "_epl_dump_elided"  # int, in dumps only: bytes of a constant left out
 
 
 class Phase(str, enum.Enum):

@@ -45,9 +45,9 @@ from tensorflow.python.client import pywrap_tf_session as c_api
 from tensorflow.python.framework import c_api_util, function_def_to_graph
 from tensorflow.python.ops import control_flow_util_v2
 
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.ir.taskgraph import graph_state
-from epl.ir import graph_mutation
 
 COLOCATION_ATTR = "_class"
 _INPUT_PLACEHOLDER = "_epl_input_{}"

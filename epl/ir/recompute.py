@@ -29,7 +29,7 @@ How:
 - Gradient functions often read only the shape of a tensor (Shape, Size,
   Rank, ShapeN, ZerosLike when the batch dimension is unknown). For a
   recomputed tensor those read a Shape op on the original tensor instead
-  (attribute FORWARD_SHAPE_ATTR; it runs in the forward pass and keeps an int
+  (attribute RECOMPUTE_SHAPE_ATTR; it runs in the forward pass and keeps an int
   vector), so no copy is computed only for its shape.
 
 Ops that are never recomputed (their outputs are read from the forward pass):
@@ -59,11 +59,10 @@ from tensorflow.python.framework import ops as tf_ops
 
 from epl.errors import ParallelizeError
 from epl.ir import graph_view
+from epl.ir import graph_mutation
 from epl.ir.annotations import RECOMPUTE_ATTR, RECOMPUTE_SHAPE_ATTR
 from epl.ir.clone import clone_ops
-from epl.ir import graph_mutation
 
-FORWARD_SHAPE_ATTR = RECOMPUTE_SHAPE_ATTR
 CHECKPOINTS_COLLECTION = "checkpoints"
 TF1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter",
                               "Exit", "RefExit", "NextIteration", "RefNextIteration",
@@ -357,7 +356,7 @@ def _forward_shape(forward: tf.Tensor, out_type, device: str, cache: dict) -> tf
                  "out_type": tf.compat.v1.AttrValue(type=out_type.as_datatype_enum)}
         new = forward.graph._create_op_internal(
             "Shape", [forward], [out_type], name=f"{forward.op.name}/shape_for_backward",
-            attrs={**attrs, FORWARD_SHAPE_ATTR: tf.compat.v1.AttrValue(b=True)},
+            attrs={**attrs, RECOMPUTE_SHAPE_ATTR: tf.compat.v1.AttrValue(b=True)},
             compute_device=False)
         graph_mutation.set_device(new, device)
         cache[key] = new.outputs[0]

@@ -424,7 +424,7 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
     the same proportions, so summing over layers first gives the same
     maxima.
     """
-    devices, n = ctx.devices, len(ctx.devices)
+    devices = ctx.devices
     bandwidth, _ = _slowest_link(devices)
     allreduce = _allreduce_time(devices, totals.params, bandwidth)
     alltoall = _alltoall_time(ctx, totals, units, batch)

@@ -34,8 +34,8 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from epl.cluster import physical_gpu_count
-from epl.runtime.horovod_comm import HorovodCommunicator
 from epl.runtime.collective_check import exchange_bytes
+from epl.runtime.horovod_comm import HorovodCommunicator
 
 
 @dataclasses.dataclass

@@ -27,9 +27,9 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ClusterError
+from epl.ir import graph_mutation
 from epl.ir.annotations import COLLECTIVE_ATTR
 from epl.runtime import worker_status
-from epl.ir import graph_mutation
 
 _MAX_LABEL_CHARS = 80
 

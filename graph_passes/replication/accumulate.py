@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
 from epl.ir import graph_mutation
+from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
 
 
 def accumulate(per_micro: list[list], replica: int, scales: list | None = None

@@ -28,13 +28,13 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from epl.ir import recompute
+from epl.ir import graph_mutation
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.backward_copy import TemplateBackward
 from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, give_own_functions,
                           replace_control_inputs, replace_input)
 from epl.ir.graph_view import VARIABLE_OP_TYPES, calls_functions, colocation_root
 from graph_passes.replication.names import REPLICA_PREFIX, replica_attr, unit_prefix
-from epl.ir import graph_mutation
 
 
 def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inputs=None,

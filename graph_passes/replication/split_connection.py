@@ -33,13 +33,13 @@ import tensorflow as tf
 
 from epl.errors import ParallelizeError
 from epl.ir import recompute
+from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_input
 from epl.ir.graph_view import colocation_root, topological_order
 from epl.ir.split_boundary import SplitBoundary
 from graph_passes.replication import copies, inputs as batch_inputs
 from graph_passes.replication.result import Copies
-from epl.ir import graph_mutation
 
 
 def check_split_supported(view, config) -> None:
