@@ -2,11 +2,13 @@
 
 `parallelize(graph)` is called by the session hooks (first session on the
 graph, or MonitoredTrainingSession's Scaffold.finalize) or explicitly by the
-user. It cuts the model into pipeline stages when `auto.auto_parallel` and
-`pipeline.num_stages` ask for it (graph_passes/auto_stages.py; only stage tags
-are written), analyses the graph, makes the plan (both may raise before any op
-is added), runs the pass pipeline, and stores a `ParallelGraph` on the graph's
-state: what the session integration needs (fetch remapping, replica sync).
+user. It runs the training pipeline (`training_pipeline()`, every rewrite a
+pass of its own) in two parts around the analysis: the passes that only retag
+the graph as the user built it (`GraphPass.before_analysis`: the automatic
+stages, graph_passes/auto_stages.py), then the analysis and the plan (both may
+raise before any op is added), then every other pass. It stores a
+`ParallelGraph` on the graph's state: what the session integration needs
+(fetch remapping, replica sync).
 """
 from __future__ import annotations
 
@@ -20,29 +22,32 @@ import tensorflow as tf
 
 from epl.cluster import Cluster, local_cluster
 from epl.env import config_for, get_config
-from epl.errors import ParallelizeError
+from epl.errors import ParallelizeError, PassError
 from epl.ir.autodiff import internal_autodiff
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
 from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_local_plan, split_layout
-from epl.planner.planner import local_profiles, local_shard_weights
+from epl.planner.planner import local_shard_weights
 from epl.runtime.collective_check import check_collectives_agree
 from epl.runtime.communicators import make_communicator
 from epl.runtime.trace import make_tracer
 from epl.strategies import EAGER_HINT
 from epl.summary import format_summary, summarize
+from graph_passes.accumulate import AccumulatePass
 from graph_passes.amp import AmpPass
 from graph_passes.annotate import AnnotatePass
 from graph_passes.apply_groups import ApplyGroupsPass
-from graph_passes.auto_stages import auto_stages
+from graph_passes.auto_stages import AutoStagesPass
 from graph_passes.gradient_comm import GradientCommPass
-from graph_passes.loss_scale import LossScalePass
 from graph_passes.offload import OffloadPass
+from graph_passes.recompute import RecomputePass
 from graph_passes.replicate import ReplicatePass
 from graph_passes.replication.inputs import batch_mode, supports_uneven_shares
 from graph_passes.schedule import SchedulePass
+from graph_passes.skip_on_overflow import SkipOnOverflowPass
 from graph_passes.split import SplitPass, SplitPlan
+from graph_passes.unscale import UnscalePass
 from graph_passes.verify import InvariantInstrument, VerifyPass
 from graph_passes.zero import ZeroPass
 
@@ -86,9 +91,37 @@ def run_gradient_time_pipeline(graph: tf.Graph, loss: tf.Tensor) -> None:
 
 
 def training_pipeline() -> list:
-    """The training passes, in order (DESIGN.md, "Data flow")."""
-    return [AnnotatePass(), AmpPass(), ReplicatePass(), SchedulePass(), ZeroPass(),
-            GradientCommPass(), ApplyGroupsPass(), LossScalePass(), OffloadPass(), VerifyPass()]
+    """The training passes, in order (DESIGN.md, "Data flow"); each rewrite is one pass.
+
+    auto_stages retags the graph as the user built it (before the analysis); then
+    the forward is lowered (amp), the backward's checkpoints chosen (recompute),
+    the model copied per (replica, micro-batch) (replicate), and the gradients
+    flow one way (graph_passes/gradient_flow.py): accumulated over micro-batches,
+    unscaled right after the backward, reduced (zero, gradient_comm), and at the
+    end of the step an overflowed update skipped (skip_on_overflow).
+
+    Unscale comes before zero rather than after it: ZeRO reduce-scatters the
+    gradients itself, and every reduction reads unscaled gradients.
+    """
+    return [AutoStagesPass(), AnnotatePass(), AmpPass(), RecomputePass(), ReplicatePass(),
+            AccumulatePass(), UnscalePass(), SchedulePass(), ZeroPass(), GradientCommPass(),
+            ApplyGroupsPass(), SkipOnOverflowPass(), OffloadPass(), VerifyPass()]
+
+
+def before_analysis(passes: list) -> tuple[list, list]:
+    """(the leading passes that run before the analysis, the rest).
+
+    Raises:
+        PassError: a pass marked `before_analysis` comes after one that is not (it
+        could not run on the graph as the user built it).
+    """
+    count = next((i for i, p in enumerate(passes) if not p.before_analysis), len(passes))
+    late = [p.name for p in passes[count:] if p.before_analysis]
+    if late:
+        raise PassError(f"pass(es) {late} run before the analysis, but come after "
+                        f"{passes[count].name!r} in the pipeline {[p.name for p in passes]}. "
+                        "Move them to the front of the pass list.")
+    return list(passes[:count]), list(passes[count:])
 
 
 @dataclasses.dataclass
@@ -195,29 +228,33 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def pass_context(graph: tf.Graph, state, replica_weights: list[float] | None = None
-                 ) -> tuple[PassContext, list]:
-    """Analyse and plan `graph` (its GraphState `state`): the PassContext the training
-    passes run on, and the instruments the config asks for (timing, dumps, invariant
-    checks). Automatic stages (auto.auto_parallel) are cut here, before the analysis."""
+def pass_context(graph: tf.Graph, state, passes: list,
+                 replica_weights: list[float] | None = None) -> tuple[PassContext, list, list]:
+    """Run the passes of `passes` that come before the analysis (the automatic stages),
+    then analyse and plan `graph` (its GraphState `state`).
+
+    Returns the PassContext the other passes run on, the instruments the config asks
+    for (timing, dumps, invariant checks), and the passes left to run.
+    """
     config = config_for(graph)   # the config the graph was built under (epl.env)
     cluster = local_cluster(config)
-    profiles = local_profiles(cluster, config)  # None unless cluster.device_profiles is set
-    auto_stages(graph, state, config, profiles)  # auto.auto_parallel + pipeline.num_stages
-    view = analyze(graph, state)
-    # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
-    # devices (batch shares, each stage's device), so the dry run and the real run agree
-    plan = make_local_plan(view.taskgraphs + view.split_taskgraphs, view, cluster, config,
-                           replica_weights, supports_uneven_shares(view, batch_mode(config)))
     instruments = [TimingInstrument()]
     if config.get("debug.dump_dir"):
         instruments.append(DumpInstrument(config.get("debug.dump_dir"), state.dumps_written))
     if config.get("debug.check_invariants"):
         instruments.append(InvariantInstrument())
-    communicator = make_communicator(cluster, config)
     # what the split pass did at gradient time (kept on the graph between the two times)
-    return PassContext(config, plan, cluster, view, communicator,
-                       split_records=list(state.splits)), instruments
+    ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
+                      split_records=list(state.splits))
+    first, rest = before_analysis(passes)
+    PassManager(first, instruments).run(graph, ctx)   # only retags: nothing to unfinalize
+    ctx.view = analyze(graph, state)
+    # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
+    # devices (batch shares, each stage's device), so the dry run and the real run agree
+    ctx.plan = make_local_plan(ctx.view.taskgraphs + ctx.view.split_taskgraphs, ctx.view,
+                               cluster, config, replica_weights,
+                               supports_uneven_shares(ctx.view, batch_mode(config)))
+    return ctx, instruments, rest
 
 
 def run_passes(graph: tf.Graph, ctx: PassContext, passes: list, instruments: list,
@@ -241,9 +278,9 @@ def run_passes(graph: tf.Graph, ctx: PassContext, passes: list, instruments: lis
 def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
     """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
     start = time.perf_counter()
-    ctx, instruments = pass_context(graph, state, replica_weights)
+    ctx, instruments, rest = pass_context(graph, state, training_pipeline(), replica_weights)
     config, cluster, plan = ctx.config, ctx.cluster, ctx.plan
-    run_passes(graph, ctx, training_pipeline(), instruments)
+    run_passes(graph, ctx, rest, instruments)
     view = ctx.view   # the amp pass hands on a view with its lowered ops
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
         check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))

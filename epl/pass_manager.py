@@ -42,16 +42,20 @@ class PassContext:
     the passes before it (typed fields, one per result)."""
 
     config: Any
-    plan: Any
+    plan: Any  # None for the passes before the analysis (GraphPass.before_analysis)
     cluster: Any
     view: Any  # the analysis (TrainingView); the amp pass hands on a new one with its ops
     communicator: Any
     # What the passes hand on, one field per result, each written by one pass only and
     # read by the passes after it (None until its pass ran, or when it is off):
+    stages: Any = None          # auto_stages: the StagePartition it applied
+    amp: Any = None             # amp: an AmpRewrite (graph_passes/amp.py)
+    recompute: Any = None       # recompute: a Recompute (graph_passes/recompute.py)
     replication: Any = None     # replicate: a Replication (graph_passes/replication/result.py)
     gradient_check: Any = None  # replicate: (plain, checkpointed) gradients of replica 0
-    amp: Any = None             # amp: an AmpRewrite (graph_passes/amp.py)
+    accumulation: Any = None    # accumulate: an Accumulation (graph_passes/accumulate.py)
     schedule: Any = None        # schedule: a ScheduleLowering (graph_passes/schedule.py)
+    unscale: Any = None         # unscale: an Unscaling (graph_passes/unscale.py)
     zero: Any = None            # zero: a ZeroSharding (graph_passes/zero.py)
     reduced: Any = None         # gradient_comm: gradient tensor -> its reduced tensor
     # gradient time (the split pass): its inputs, set by the driver, and its records
@@ -78,6 +82,10 @@ class GraphPass(abc.ABC):
     name: str = ""
     requires: tuple[str, ...] = ()
     off_note: str = "not enabled by the config"
+    # True for a pass that runs on the graph as the user built it, before the driver
+    # analyses it and plans (ctx.view and ctx.plan are None): it may only retag ops,
+    # which the analysis then reads (the automatic stages). Such passes come first.
+    before_analysis: bool = False
 
     def enabled(self, config: Any) -> bool:
         """True if `config` asks for this pass (default: always)."""
@@ -127,7 +135,9 @@ class DumpInstrument(Instrument):
         self.first_index = first_index
 
     def before(self, graph_pass, graph, ctx):
-        if graph_pass is None:  # the graph the passes receive
+        # the graph the passes receive (once: the driver runs the passes before the
+        # analysis, then the others, on one context)
+        if graph_pass is None and not ctx.passes_run and not ctx.passes_off:
             name = "input" if self.first_index == 0 else "gradients"
             self._write(self.first_index, name, graph,
                         {"duration_s": 0.0, "passes_before": []}, ctx)

@@ -24,8 +24,9 @@ rebuilds by autodiff of that copy, follows for free.
   halved on a step whose gradients overflow and doubled after
   DYNAMIC_GROWTH_STEPS finite steps in a row. The unscaling, the overflow
   check that every replica and worker agrees on, and the skipping of
-  overflowed steps are the loss_scale pass's (graph_passes/loss_scale.py),
-  after the gradients exist per replica.
+  overflowed steps are the unscale and skip_on_overflow passes'
+  (graph_passes/unscale.py, graph_passes/skip_on_overflow.py), after the
+  gradients exist per replica.
 
 The loss-scale state variables are global variables (saved in checkpoints made
 by a Saver built after parallelization) and are also initialized by any
@@ -56,7 +57,7 @@ SCOPE = "EPL_AMP"
 
 @dataclasses.dataclass
 class AmpRewrite:
-    """What the amp pass did, for the loss_scale pass.
+    """What the amp pass did, for the unscale and skip_on_overflow passes.
 
     scale: the loss scale this step uses (one read shared by every replica), or None.
     scale_var / good_steps_var: the dynamic scale's state (None for a fixed scale).

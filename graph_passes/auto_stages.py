@@ -78,8 +78,10 @@ from epl.ir import graph_mutation
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 from epl.ir.graph_view import (VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs,
                                training_steps)
-from epl.ir.taskgraph import GraphState
+from epl.ir.taskgraph import GraphState, graph_state
+from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.planner import balance, cost_model
+from epl.planner.local import local_profiles
 from epl.profiles import get_profile
 
 STAGE_NAME = "stage_{}"
@@ -312,7 +314,7 @@ def apply_stages(graph: tf.Graph, state: GraphState, partition: StagePartition) 
         for op in graph.get_operations():
             attr = op.node_def.attr.get(TASKGRAPH_ATTR)
             if attr is not None and attr.s.decode() == replaced:
-                op._clear_attr(TASKGRAPH_ATTR)
+                graph_mutation.clear_attr(op, TASKGRAPH_ATTR)
         state.taskgraphs.clear()
     names = [STAGE_NAME.format(i) for i in range(partition.num_stages)]
     for name in names:
@@ -340,19 +342,42 @@ def stage_speeds(num_stages: int, profiles: list | None) -> list[float] | None:
     return [s / top for s in speeds]
 
 
-def auto_stages(graph: tf.Graph, state: GraphState, config,
-                profiles: list | None = None) -> StagePartition | None:
-    """Cut the model into `pipeline.num_stages` stages when the config asks for it.
+class AutoStagesPass(GraphPass):
+    """Cuts an unannotated model into `pipeline.num_stages` balanced stages.
 
-    profiles: the local devices' profiles when `cluster.device_profiles` is set
-    (stages are then sized to their devices' speed). Returns the partition
-    applied, or None when the script keeps its own TaskGraphs (see
-    `wants_auto_stages`).
+    Runs before the analysis (`before_analysis`): it only writes stage tags and
+    registers the stages' TaskGraphs, which the analysis and the plan then read as
+    if the user had written the stage scopes. Its result (ctx.stages) is the
+    StagePartition it applied, or None when the script keeps its own stages.
     """
-    if not wants_auto_stages(state, config):
-        return None
-    num_stages = int(config.get("pipeline.num_stages"))
-    partition = plan_stages(graph, state, num_stages,
-                            speeds=stage_speeds(num_stages, profiles))
-    apply_stages(graph, state, partition)
-    return partition
+
+    name = "auto_stages"
+    requires = ()
+    before_analysis = True
+    off_note = "no automatic stages (auto.auto_parallel off, or pipeline.num_stages <= 1)"
+
+    def enabled(self, config) -> bool:
+        """auto.auto_parallel is on and pipeline.num_stages asks for 2 or more stages."""
+        return bool(config.get("auto.auto_parallel")) and \
+            int(config.get("pipeline.num_stages")) > 1
+
+    def validate(self, graph: tf.Graph, ctx: PassContext) -> StagePartition | None:
+        """The partition (pure analysis; raises for a model with too few places to
+        cut), or None when the script keeps its own TaskGraphs (`wants_auto_stages`)."""
+        state = graph_state(graph)
+        if not wants_auto_stages(state, ctx.config):
+            return None
+        num_stages = int(ctx.config.get("pipeline.num_stages"))
+        # the local devices' profiles when cluster.device_profiles is set: stages sized
+        # to their devices' speed
+        speeds = stage_speeds(num_stages, local_profiles(ctx.cluster, ctx.config))
+        return plan_stages(graph, state, num_stages, speeds=speeds)
+
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        partition = ctx.validated[self.name] if self.name in ctx.validated \
+            else self.validate(graph, ctx)
+        if partition is None:
+            return PassResult(notes=["the script's own TaskGraphs are kept as its stages"])
+        apply_stages(graph, graph_state(graph), partition)
+        ctx.stages = partition
+        return PassResult(notes=partition.describe().splitlines())

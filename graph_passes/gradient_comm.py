@@ -44,6 +44,7 @@ from epl.ir.annotations import PHASE_ATTR, Phase
 from epl.ir.clone import NodeBatch, replace_input, with_dynamic_rows
 from epl.pass_manager import GraphPass, PassContext, PassResult
 from epl.runtime.horovod_comm import names_fragment, names_label
+from graph_passes import gradient_flow
 
 MB = 1 << 20
 _INT32_MAX = 2 ** 31 - 1  # larger static dimensions make TensorFlow write shapes as int64
@@ -111,7 +112,9 @@ class GradientCommPass(GraphPass):
     """All-reduces the gradients over replicas (fused) and rewires the updates."""
 
     name = "gradient_comm"
-    requires = ("replicate", "zero")  # skips the gradients ZeRO reduce-scattered itself
+    # reduces the gradients as accumulate and unscale left them; skips those ZeRO
+    # reduce-scattered itself
+    requires = ("replicate", "accumulate", "unscale", "zero")
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         replication = ctx.replication
@@ -124,7 +127,8 @@ class GradientCommPass(GraphPass):
         first_new = len(graph.get_operations())
         zero = ctx.zero  # gradients ZeRO reduce-scattered itself
         sharded = zero.reduced if zero is not None else {}
-        per_gradient = [entry for entry in replication.gradients if entry[0].name not in sharded]
+        per_gradient = [entry for entry in gradient_flow.replica_gradients(ctx).entries
+                        if entry[0].name not in sharded]
         needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
         reduced_of: dict[str, int] = {}
         buckets: list[Bucket] = []

@@ -4,7 +4,7 @@ Every variable a training step uses (the weights of every replica, the
 optimizer state, ZeRO's shards, the global step) is placed on the host device
 (`Cluster.host_device`, the worker's CPU:0), together with every op that takes
 its handle (reads, the optimizer's update ops, initializers, the conds of the
-loss_scale pass) and every op colocated with it. The forward and backward ops
+skip_on_overflow pass) and every op colocated with it. The forward and backward ops
 stay on the compute devices: a weight is read on the host and TensorFlow copies
 the value to the device that computes with it (and the gradient back to the
 host for the update). Between steps the device holds no weights and no
@@ -20,7 +20,7 @@ runs, which are never initialized and hold no memory) move with them: TensorFlow
 places the whole graph, and an op's handles must all be on one device.
 
 Runs after every pass that creates variables or ops that take their handles
-(replicate, zero, loss_scale).
+(replicate, zero, skip_on_overflow).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class OffloadPass(GraphPass):
     """Places the step's variables and the ops on their handles on the host device."""
 
     name = "offload"
-    requires = ("replicate", "zero", "loss_scale")  # moves what those built
+    requires = ("replicate", "zero", "skip_on_overflow")  # moves what those built
 
     off_note = "offload.level is off"
 

@@ -20,20 +20,22 @@ graph_passes/replication/):
    k and, when M > 1, `_epl_micro_batch` = m; then each unit's backward ops
    (the user's own backward ops copied, or autodiff of the unit's forward
    copy where that is not possible; the pass's notes say which and why).
-4. accumulation (`accumulate.py`): per replica, the M micro-batch gradients
-   of every variable become one, weighted by each micro-batch's share of the
-   replica's examples.
-5. split connection (`split_connection.py`), for models with `epl.split`
+4. split connection (`split_connection.py`), for models with `epl.split`
    TaskGraphs: the split ops meet the replicas and one autodiff covers the
    whole step.
-6. the shared ending (`_finish`): the update ops of replicas k > 0 are copies
-   of the user's (replica 0 keeps the originals, rewired to its gradients),
+5. the shared ending (`_finish`): the update ops of replicas k > 0 are copies
+   of the user's (replica 0 keeps the originals, rewired to its gradients; with
+   micro-batches, to micro-batch 0's, which the accumulate pass then replaces by
+   the sum over micro-batches, graph_passes/accumulate.py),
    the user's train op runs every replica's update, and each loss is merged
    (`merge.py`) into the mean over the global batch, which is what fetching
    the loss returns.
 
-The order in which the micro-batch copies run (the pipeline schedule) is the
-"schedule" pass's job (graph_passes/schedule.py); this pass only copies.
+What each unit's backward keeps for recomputation is the recompute pass's
+choice (graph_passes/recompute.py), which this pass builds the backward with;
+adding the micro-batch gradients is the accumulate pass's job, and the order in
+which the micro-batch copies run (the pipeline schedule) the schedule pass's
+(graph_passes/schedule.py); this pass only copies.
 
 Why replica 0 is a copy too: in global mode the original forward ops were
 shape-inferred for the whole batch, and TensorFlow refuses to feed them a
@@ -44,7 +46,7 @@ originals. This departs from DESIGN.md's "original ops remain replica 0" only
 for the forward/backward ops.
 
 Result for the next passes (ctx.replication, a Replication):
-the per-replica (accumulated) copy of every gradient and each replica's
+every unit's gradients, the gradient each replica's updates read, each replica's
 weight, the merged fetches, the sync ops, the feeds to redirect and, for the
 schedule pass, the forward copies and backward ops of every unit.
 """
@@ -52,68 +54,34 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from epl.ir import recompute
 from epl.ir import graph_mutation
 from epl.ir.annotations import Phase
 from epl.ir.backward_copy import functional_backward
 from epl.ir.clone import NodeBatch, with_dynamic_rows
 from epl.ir.graph_view import colocation_root, topological_order
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from graph_passes.accumulate import num_micro_batches
 from graph_passes.replication import copies, inputs as batch_inputs, split_connection
-from graph_passes.replication.accumulate import accumulate
 from graph_passes.replication.merge import merge_fetches, merge_split_losses
 from graph_passes.replication.mirrors import mirror_variables, sync_ops, write_local_sync
 from graph_passes.replication.result import Copies, Replication, Setup
-
-
-def num_micro_batches(config) -> int:
-    """`pipeline.num_micro_batch` (at least 1)."""
-    return max(1, int(config.get("pipeline.num_micro_batch")))
-
-
-def select_checkpoints(view, config) -> dict:
-    """Per recorded step (by id), the template tensors gradient checkpointing keeps.
-
-    gradient_checkpoint.type "collection": the tensors of the "checkpoints"
-    collection (an empty collection, or a tensor off the path from the
-    variables to the loss, is an error); "auto": bottleneck tensors chosen by
-    epl.ir.recompute, limited to the first TaskGraphs up to
-    gradient_checkpoint.end_taskgraph when that is set. Empty when off.
-    """
-    kind = config.get("gradient_checkpoint.type")
-    if not kind:
-        return {}
-    end = int(config.get("gradient_checkpoint.end_taskgraph"))
-    selected = {}
-    for step in view.steps:
-        xs = [v.op.outputs[0] for g, v in step.grads_and_vars if g is not None]
-        if kind == "collection":
-            selected[id(step)] = recompute.select_checkpoints_collection(view.graph, step.loss, xs)
-        else:
-            keep = None if end < 0 else (
-                lambda op: op in view.taskgraph_of and view.taskgraph_of[op].index <= end)
-            selected[id(step)] = recompute.select_checkpoints_auto(step.loss, xs,
-                                                                   candidate_filter=keep)
-    return selected
 
 
 class ReplicatePass(GraphPass):
     """Copies the model once per (replica, micro-batch) and gives each its batch."""
 
     name = "replicate"
-    requires = ("annotate", "amp")  # copies AMP's casts; reads whether it ran
+    # copies AMP's casts; builds the backward with recompute's checkpoints
+    requires = ("annotate", "amp", "recompute")
 
-    def validate(self, graph: tf.Graph, ctx: PassContext):
-        """Checks the batch and the split layout; returns the tensors gradient
-        checkpointing keeps (run() reads them)."""
+    def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
+        """Checks the batch and the split layout."""
         view, plan, config = ctx.view, ctx.plan, ctx.config
         split_connection.check_split_supported(view, config)
         micro, mode = num_micro_batches(config), batch_inputs.batch_mode(config)
         sizes = batch_inputs.check_batch(view, plan, micro, mode)
         if mode == batch_inputs.GLOBAL_MODE and sizes is not None:
             batch_inputs.check_sliced_shapes(view, [s // micro for s in sizes])
-        # raises for an empty or off-path collection; run() reuses the selection
-        return select_checkpoints(view, config)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         before = set(graph.get_operations())
@@ -131,9 +99,7 @@ class ReplicatePass(GraphPass):
         view, plan, config = ctx.view, ctx.plan, ctx.config
         micro, mode = num_micro_batches(config), batch_inputs.batch_mode(config)
         sizes = batch_inputs.check_batch(view, plan, micro, mode)
-        checkpoints = ctx.validated.get(ReplicatePass.name)
-        if checkpoints is None:
-            checkpoints = select_checkpoints(view, config)
+        checkpoints = ctx.recompute.checkpoints if ctx.recompute is not None else {}
         # inputs before readers: creation order is not enough once autodiff added inputs
         # to a forward op (v2 control flow's gradient gives the forward While the
         # accumulators of its intermediates)
@@ -147,10 +113,11 @@ class ReplicatePass(GraphPass):
         mirrors = mirror_variables(view, plan)
         return Setup(micro, mode, forward, apply_ops, devices, unit_inputs, mirrors, checkpoints)
 
-    # -- steps 3 and 4 (no split TaskGraph) ----------------------------------------
+    # -- step 3 (no split TaskGraph) -------------------------------------------------
     @staticmethod
     def _replicate(graph, ctx, setup: Setup) -> Copies:
-        """Forward and backward copies of every unit, accumulated per replica."""
+        """Forward and backward copies of every unit; each replica's updates will read
+        its micro-batch 0's gradients (the accumulate pass adds the others)."""
         view, plan, micro = ctx.view, ctx.plan, setup.micro
         slices, mirrors, checkpoints = setup.inputs.tensors, setup.mirrors, setup.checkpoints
         all_units = [(k, m) for k in range(plan.num_replicas) for m in range(micro)]
@@ -161,7 +128,7 @@ class ReplicatePass(GraphPass):
                                               setup.inputs, mirrors, own_functions=each_own)
         copied, autodiff_reasons = copies.copy_templates(view, plan, ctx, checkpoints, all_units,
                                                          micro, forward_copies, slices, mirrors)
-        gradients, backward_ops = [], {}
+        gradients, backward_ops, unit_gradients = [], {}, {}
         built_by_shape: dict = {}  # unit shapes -> (unit, its gradients, its backward ops)
         for k in range(plan.num_replicas):
             per_micro = []
@@ -183,24 +150,23 @@ class ReplicatePass(GraphPass):
                 backward_ops[unit] = copied[unit][1] if unit in copied \
                     else copies.backward_only(graph.get_operations()[first:],
                                               forward_copies[unit])
-                if checkpoints and unit == (0, 0) and \
-                        ctx.config.get("gradient_checkpoint.check_gradients"):
+                unit_gradients[unit] = per_micro[-1]
+                if checkpoints and unit == (0, 0) and ctx.recompute.check_gradients:
                     # gradients without checkpointing, never run by the train op: the
                     # session compares them with the checkpointed ones before step 1
                     ctx.gradient_check = (copies.regenerate_gradients(
                         view, plan, unit, micro, forward_copies[unit], mirrors), per_micro[-1])
-            accumulated, accumulate_ops = accumulate(per_micro, k, setup.inputs.micro_scales[k])
-            gradients.append(accumulated)
-            for m, ops in accumulate_ops.items():
-                backward_ops[(k, m)] = backward_ops[(k, m)] + ops
+            gradients.append(per_micro[0])
         rebuilt = len(built_by_shape)
         notes = [f"backward ops: copied from the template for {len(copied)} unit(s), autodiff "
                  f"for {rebuilt}" + (f" ({'; '.join(autodiff_reasons)})" if rebuilt else "")]
         if micro > 1:
-            notes.append(f"{micro} micro-batches per replica, gradients accumulated")
-        return Copies(forward_copies, gradients, backward_ops, notes)
+            notes.append(f"{micro} micro-batches per replica; each replica's updates read "
+                         "micro-batch 0's gradients until the accumulate pass")
+        return Copies(forward_copies, gradients, backward_ops, notes,
+                      unit_gradients=unit_gradients)
 
-    # -- step 6: the shared ending ---------------------------------------------------
+    # -- step 5: the shared ending ---------------------------------------------------
     @staticmethod
     def _finish(graph, ctx, setup: Setup, built: Copies, before: set) -> PassResult:
         """Update copies, the train op, merged fetches, sync ops and the artifact."""
@@ -254,7 +220,9 @@ class ReplicatePass(GraphPass):
         ctx.replication = Replication(
             per_gradient, unit_inputs.replica_weights, merged, syncs, mirrors, replica_maps,
             micro, forward_copies, built.backward_ops, loss_copies, built.presummed,
-            split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws))
+            split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws),
+            built.unit_gradients or {(k, 0): gradients[k] for k in range(replicas)},
+            list(unit_inputs.micro_scales))
         added = [op.name for op in graph.get_operations() if op not in before]
         op_map = {op.name: [forward_copies[u][op].name for u in sorted(forward_copies)
                             if op in forward_copies[u]]

@@ -8,7 +8,8 @@ on stage s; its ops, for replica r, are
 
 - forward: the forward copies of (r, m) whose TaskGraph is stage s,
 - backward: the backward ops regenerated for (r, m) whose TaskGraph is stage s
-  (colocated with their forward op, so on the same stage),
+  (colocated with their forward op, so on the same stage), and the accumulate
+  pass's adds of (r, m)'s gradients (graph_passes/accumulate.py),
 
 restricted to the ops a training step runs (ancestors of the train ops and of
 the loss copies), so that no control edge forces extra work.
@@ -100,12 +101,13 @@ def check_stage_order(view) -> None:
                     "Move the op into the later stage's scope, or reorder the scopes.")
 
 
-def _step_ops(replication, replica: int, stages: dict, live: set) -> dict:
+def _step_ops(replication, accumulation, replica: int, stages: dict, live: set) -> dict:
     """Step -> ops of that step for `replica` (see the module docstring)."""
     groups: dict = {}
+    added = accumulation.ops if accumulation is not None else {}
     for m in range(replication.num_micro_batches):
         forward = replication.forward_copies[(replica, m)].values()
-        backward = replication.backward_ops[(replica, m)]
+        backward = list(replication.backward_ops[(replica, m)]) + added.get((replica, m), [])
         for kind, ops in ((FORWARD, forward), (BACKWARD, backward)):
             for op in ops:
                 stage = _stage_index(op, stages)
@@ -166,7 +168,7 @@ class SchedulePass(GraphPass):
     """Orders the micro-batch copies of each stage by the pipeline schedule."""
 
     name = "schedule"
-    requires = ("replicate",)
+    requires = ("replicate", "accumulate")   # orders every unit's copies and adds
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
         check_stage_order(ctx.view)
@@ -187,7 +189,7 @@ class SchedulePass(GraphPass):
         step_ops, barriers = {}, {}
         before_ops = len(graph.get_operations())
         for k in range(plan.num_replicas):
-            groups = _step_ops(replication, k, stages, live)
+            groups = _step_ops(replication, ctx.accumulation, k, stages, live)
             step_ops.update({(k, step): groups.get(step, []) for step in schedule.all_steps()})
             for s, row in enumerate(schedule.per_stage):
                 steps = [step for step in row if groups.get(step)]

@@ -68,6 +68,7 @@ from epl.ir.clone import replace_control_inputs
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
 from epl.logs import get_logger
 from epl.pass_manager import GraphPass, PassContext, PassResult
+from graph_passes import gradient_flow
 
 SCOPE = "EPL_ZERO"
 
@@ -198,7 +199,7 @@ class ZeroPass(GraphPass):
     """Shards optimizer slots and updates over the data-parallel replicas (zero.level v1)."""
 
     name = "zero"
-    requires = ("replicate",)
+    requires = ("replicate", "accumulate", "unscale")   # reduces their gradients
 
     off_note = "zero.level is off"
 
@@ -226,7 +227,7 @@ class ZeroPass(GraphPass):
         entries = ctx.validated[self.name]
         split_vars = set(ctx.view.split_variables)   # already sharded by epl.split: left alone
         entries = [entry for entry in entries if entry[1] not in split_vars]
-        grads_of = {var: grads for var, grads, _ in replication.gradients}
+        grads_of = {var: grads for var, grads, _ in gradient_flow.replica_gradients(ctx).entries}
         method = ctx.config.get("communication.gradients_reduce_method")
         if replication.presummed:  # split models: gradients already weighted by batch share
             method = "sum"
@@ -388,7 +389,7 @@ def _to_host(slot: tf.Operation, host: str) -> None:
               and all(c in users for c in t.consumers())]
     for op in users + inputs:
         if groups & set(op.colocation_groups()):
-            op._clear_attr("_class")
+            graph_mutation.clear_attr(op, "_class")
         graph_mutation.set_device(op, host)
 
 

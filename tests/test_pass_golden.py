@@ -27,16 +27,22 @@ BATCH, FEATURES, HIDDEN, CLASSES = 8, 6, 16, 4
 
 # pass -> (config, model options)
 CASES = {
+    "auto_stages": ({"cluster.virtual_devices": 2, "auto.auto_parallel": True,
+                     "pipeline.num_stages": 2}, {}),
     "annotate": ({"cluster.virtual_devices": 2}, {}),
     "amp": ({"cluster.virtual_devices": 2, "amp.level": "O1", "amp.loss_scale": 128.0}, {}),
+    "recompute": ({"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto"}, {}),
     "replicate": ({"cluster.virtual_devices": 2}, {}),
+    "accumulate": ({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2}, {}),
+    "unscale": ({"cluster.virtual_devices": 2, "amp.level": "O1",
+                 "amp.loss_scale": "dynamic"}, {}),
     "schedule": ({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
                  {"stages": True}),
     "zero": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, {}),
     "gradient_comm": ({"cluster.virtual_devices": 2, "communication.max_splits": 0}, {}),
     "apply_groups": ({"cluster.virtual_devices": 2, "optimizer.num_apply_group": 2}, {}),
-    "loss_scale": ({"cluster.virtual_devices": 2, "amp.level": "O1",
-                    "amp.loss_scale": "dynamic"}, {}),
+    "skip_on_overflow": ({"cluster.virtual_devices": 2, "amp.level": "O1",
+                          "amp.loss_scale": "dynamic"}, {}),
     "offload": ({"cluster.virtual_devices": 2, "offload.level": "v0"}, {}),
     "verify": ({"cluster.virtual_devices": 2}, {}),
 }
@@ -45,14 +51,22 @@ CASES = {
 # retagged, re-placed, rewired or given control edges). Two replicas of the MLP
 # (hidden 6x16, logits 16x4, Adam), the pipeline case with two stages.
 GOLDEN: dict[str, tuple[dict[str, int], int]] = {
+    "auto_stages": ({}, 51),   # tags the forward ops with their stage
     "annotate": ({}, 167),   # tags every op with its TaskGraph and phase
     "amp": ({"Cast": 6, "Const": 1, "MatMul": 2}, 2),
+    "recompute": ({}, 0),   # chooses the checkpoints only (test_recompute_chooses_...)
     "replicate": ({"AddN": 1, "AssignAddVariableOp": 1, "AssignVariableOp": 17, "BiasAdd": 4,
                    "BiasAddGrad": 4, "Const": 23, "ExpandDims": 2, "Fill": 2, "Identity": 14,
                    "MatMul": 12, "Mean": 2, "Mul": 6, "NoOp": 24, "Placeholder": 2,
                    "ReadVariableOp": 33, "RealDiv": 2, "Relu": 2, "ReluGrad": 2, "Reshape": 2,
                    "ResourceApplyAdam": 4, "SparseSoftmaxCrossEntropyWithLogits": 2, "Split": 2,
                    "Tile": 2, "VarHandleOp": 15}, 167),
+    # per replica and variable (4): micro-batch 1's add and the scaling by 1/2; the
+    # updates read the sum
+    "accumulate": ({"AddV2": 8, "Const": 8, "Mul": 8}, 8),
+    # x 1/scale and a non-finite count per gradient of each replica; the updates read it
+    "unscale": ({"Cast": 8, "Const": 9, "IsFinite": 8, "LogicalNot": 8, "Mul": 8,
+                 "RealDiv": 1, "Sum": 8}, 8),
     "schedule": ({"NoOp": 6}, 36),   # barriers of the two micro-batches' schedule
     "zero": ({"AssignVariableOp": 40, "CollectiveGather": 24, "CollectiveReduce": 8,
               "Const": 152, "Mul": 8, "NoOp": 24, "ReadVariableOp": 40, "Reshape": 40,
@@ -60,11 +74,11 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
     "gradient_comm": ({"CollectiveReduce": 2, "ConcatV2": 2, "Const": 12, "Reshape": 8,
                        "SplitV": 2}, 8),
     "apply_groups": ({}, 6),   # control edges between the update groups
-    "loss_scale": ({"AddN": 2, "AddV2": 1, "AssignVariableOp": 2, "Cast": 8,
-                    "CollectiveReduce": 2, "Const": 17, "Equal": 2, "GreaterEqual": 1,
-                    "Identity": 13, "If": 12, "IsFinite": 8, "LogicalAnd": 1, "LogicalNot": 9,
-                    "Maximum": 1, "Mul": 10, "NoOp": 1, "ReadVariableOp": 3, "RealDiv": 1,
-                    "SelectV2": 3, "Sum": 8}, 15),
+    # the counts summed over replicas, the 12 updates under tf.cond, the scale's update
+    "skip_on_overflow": ({"AddN": 2, "AddV2": 1, "AssignVariableOp": 2, "CollectiveReduce": 2,
+                          "Const": 8, "Equal": 2, "GreaterEqual": 1, "Identity": 13, "If": 12,
+                          "LogicalAnd": 1, "LogicalNot": 1, "Maximum": 1, "Mul": 2, "NoOp": 1,
+                          "ReadVariableOp": 3, "SelectV2": 3}, 9),
     "offload": ({}, 51),   # variables and the ops on their handles moved to the host
     "verify": ({}, 0),     # checks only
 }
@@ -89,21 +103,29 @@ def _build(stages: bool = False) -> tf.Tensor:
 
 
 def run_alone(epl_env, name: str):
-    """(graph, ops the pass added, ops it changed, the context) for pass `name`."""
+    """(graph, ops the pass added, ops it changed, the context) for pass `name`.
+
+    A pass that runs before the analysis (auto_stages) is run by `pass_context`,
+    alone: what changed is what pass_context changed."""
     config, options = CASES[name]
     epl_env(config)
     graph = tf.Graph()
     with graph.as_default():
         _build(**options)
-        ctx, instruments = parallel.pass_context(graph, graph_state(graph))
-        passes = parallel.training_pipeline()
-        index = [p.name for p in passes].index(name)
-        with internal_autodiff():
-            # every pass validates the graph as the user built it, as in parallelize()
-            PassManager(passes).validate(graph, ctx)
-            parallel.run_passes(graph, ctx, passes[:index], instruments, validate=False)
-            before = {op: op.node_def.SerializeToString() for op in graph.get_operations()}
-            parallel.run_passes(graph, ctx, [passes[index]], instruments, validate=False)
+        pipeline = parallel.training_pipeline()
+        first, _ = parallel.before_analysis(pipeline)
+        alone = [p for p in first if p.name == name]
+        before = {op: op.node_def.SerializeToString() for op in graph.get_operations()}
+        ctx, instruments, passes = parallel.pass_context(graph, graph_state(graph),
+                                                         alone or pipeline)
+        if not alone:
+            index = [p.name for p in passes].index(name)
+            with internal_autodiff():
+                # every pass validates the graph as the user built it, as in parallelize()
+                PassManager(passes).validate(graph, ctx)
+                parallel.run_passes(graph, ctx, passes[:index], instruments, validate=False)
+                before = {op: op.node_def.SerializeToString() for op in graph.get_operations()}
+                parallel.run_passes(graph, ctx, [passes[index]], instruments, validate=False)
     added = [op for op in graph.get_operations() if op not in before]
     changed = [op for op, node in before.items() if op.node_def.SerializeToString() != node]
     return graph, added, changed, ctx
@@ -128,6 +150,37 @@ def test_pass_alone_adds_its_golden_ops(epl_env, name):
         assert op.device, op.name
 
 
+def test_recompute_chooses_forward_checkpoints(epl_env):
+    """The recompute pass adds no op: it chooses, on the template, the forward tensors
+    each step's backward keeps, which the replicate pass builds the backward with."""
+    graph, _, _, ctx = run_alone(epl_env, "recompute")
+    kept = [t for tensors in ctx.recompute.checkpoints.values() for t in tensors]
+    assert kept and all(ctx.view.phase_of[t.op].value == "forward" for t in kept)
+
+
+def test_gradients_flow_one_way(epl_env):
+    """Micro-batches and a dynamic loss scale: each replica's updates read the unscaled
+    sum of its micro-batch gradients, and the reduction reads that, never the raw one."""
+    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2, "amp.level": "O1",
+             "amp.loss_scale": "dynamic"})
+    graph = tf.Graph()
+    with graph.as_default():
+        _build()
+        ctx, instruments, passes = parallel.pass_context(graph, graph_state(graph),
+                                                         parallel.training_pipeline())
+        with internal_autodiff():
+            parallel.run_passes(graph, ctx, passes, instruments)
+    raw = ctx.replication.gradients
+    summed = ctx.accumulation.gradients.entries
+    unscaled = ctx.unscale.gradients.entries
+    for (_, micro0, _), (_, sums, _), (_, final, _) in zip(raw, summed, unscaled):
+        for first, total, result in zip(micro0, sums, final):
+            # the raw gradient feeds only the accumulation, the sum only the unscaling
+            assert all(c.type == "AddV2" for c in first.consumers())
+            assert [c for c in total.consumers() if c.type != "Mul"] == []
+            assert result.consumers() and any(c.type != "Mul" for c in result.consumers())
+
+
 def test_a_pass_that_is_off_changes_nothing(epl_env):
     """zero.level off: the zero pass is not enabled; it neither validates nor runs, and
     its dump entry says why (its `off_note`)."""
@@ -135,10 +188,12 @@ def test_a_pass_that_is_off_changes_nothing(epl_env):
     graph = tf.Graph()
     with graph.as_default():
         _build()
-        ctx, instruments = parallel.pass_context(graph, graph_state(graph))
+        ctx, instruments, passes = parallel.pass_context(graph, graph_state(graph),
+                                                         parallel.training_pipeline())
         with internal_autodiff():
-            parallel.run_passes(graph, ctx, parallel.training_pipeline(), instruments)
-    assert ctx.passes_off == ["amp", "zero", "apply_groups", "loss_scale", "offload"]
+            parallel.run_passes(graph, ctx, passes, instruments)
+    assert ctx.passes_off == ["auto_stages", "amp", "recompute", "accumulate", "unscale", "zero",
+                              "apply_groups", "skip_on_overflow", "offload"]
     assert "zero" not in ctx.passes_run and ctx.zero is None
 
 

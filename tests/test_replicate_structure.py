@@ -20,8 +20,9 @@ from graph_passes import verify
 from tools import epl_dump
 
 VARIABLE_TYPES = ("VarHandleOp", "VariableV2")
-PIPELINE = ["annotate", "amp", "replicate", "schedule", "zero", "gradient_comm", "apply_groups",
-            "loss_scale", "offload", "verify"]
+PIPELINE = ["auto_stages", "annotate", "amp", "recompute", "replicate", "accumulate", "unscale",
+            "schedule", "zero", "gradient_comm", "apply_groups", "skip_on_overflow", "offload",
+            "verify"]
 
 
 def _replica(op) -> int | None:

@@ -20,6 +20,11 @@ def set_attr(op: tf.Operation, name: str, value: tf.compat.v1.AttrValue) -> None
     op._set_attr(name, value)
 
 
+def clear_attr(op: tf.Operation, name: str) -> None:
+    """Remove attribute `name` from `op`'s NodeDef."""
+    op._clear_attr(name)
+
+
 def set_device(op: tf.Operation, device: str) -> None:
     """Place `op` on `device` (a device string; "" clears it)."""
     op._set_device(device)
@@ -38,3 +43,17 @@ def add_control_inputs(op: tf.Operation, ops: Iterable[tf.Operation]) -> None:
 def remove_all_control_inputs(op: tf.Operation) -> None:
     """Drop every control edge into `op`."""
     op._remove_all_control_inputs()
+
+
+def rewire_consumers(tensor: tf.Tensor, replacement: tf.Tensor,
+                     consumers: Iterable[tf.Operation] | None = None) -> None:
+    """Make every input that reads `tensor` read `replacement` instead.
+
+    consumers: the ops to rewire (default: every consumer of `tensor` now). A pass
+    that inserts a stage after a tensor takes the consumers before it builds the
+    stage, so the stage's own ops keep reading the tensor.
+    """
+    for consumer in list(tensor.consumers()) if consumers is None else consumers:
+        for index, inp in enumerate(consumer.inputs):
+            if inp is tensor:
+                consumer._update_input(index, replacement)

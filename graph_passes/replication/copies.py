@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import functools
-import zlib
 
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
@@ -236,7 +235,7 @@ def copy_backward(view, plan, source, unit, micro, source_grads, source_ops,
 def copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads, micro: int,
                batch: NodeBatch) -> OpCopier:
     """Write the copies of the update (apply) ops for replica k > 0 (reading its
-    accumulated gradients) into `batch`; the returned copier's `result` maps
+    gradients, micro-batch 0's until the accumulate pass) into `batch`; the returned copier's `result` maps
     them once the batch is committed."""
     input_map = unit_input_map(slices, mirrors, k, k * micro)
     input_map.update(gradient_map(view, grads))

@@ -16,8 +16,8 @@ class Replication:
     """What the replicate pass built, for the passes after it.
 
     gradients: per trainable gradient, (variable op, [gradient per replica], the
-      original gradient); with micro-batches, each replica's gradient is the
-      accumulation over its micro-batches.
+      original gradient): what each replica's updates read; with micro-batches,
+      micro-batch 0's (the accumulate pass replaces it by the sum over them).
     weights: per replica, its share of the global batch (float or scalar tensor).
     merged: original tensor -> merged tensor (what a fetch of it returns).
     sync_ops: original variable op -> op copying it into its mirrors (the session runs
@@ -27,8 +27,8 @@ class Replication:
       plus the replica's apply copies (replicas > 0).
     num_micro_batches: M.
     forward_copies: (replica, micro-batch) -> {template forward op: its copy}.
-    backward_ops: (replica, micro-batch) -> the backward ops regenerated for that copy,
-      and the accumulation ops that add its gradients.
+    backward_ops: (replica, micro-batch) -> the backward ops regenerated for that copy
+      (the accumulate pass's ops are its own result, ctx.accumulation).
     loss_copies: (replica, micro-batch) -> the copies of the losses.
     presummed: each replica's gradient is already weighted by its batch share
       (split TaskGraphs: one autodiff of the weighted objective), so the
@@ -37,6 +37,9 @@ class Replication:
       (not reduced over replicas; summed over workers when there are several).
     feeds: user's placeholder -> inputs.FeedRedirect (the session moves its feed).
     draws: the ops that draw the step's batches from the user's iterators.
+    unit_gradients: (replica, micro-batch) -> that unit's gradients, aligned with
+      view.gradients (what the accumulate pass adds).
+    micro_scales: per replica, per micro-batch, its share of the replica's examples.
     """
 
     gradients: list
@@ -53,6 +56,8 @@ class Replication:
     split_gradients: list = dataclasses.field(default_factory=list)
     feeds: dict = dataclasses.field(default_factory=dict)
     draws: list = dataclasses.field(default_factory=list)
+    unit_gradients: dict = dataclasses.field(default_factory=dict)
+    micro_scales: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -75,7 +80,8 @@ class Copies:
     """What one path (with or without split TaskGraphs) built for the shared ending.
 
     forward_copies: unit -> {template op: its copy}; gradients: per replica, its
-    gradients aligned with view.gradients; backward_ops: unit -> its backward ops.
+    gradients aligned with view.gradients (micro-batch 0's); backward_ops: unit -> its
+    backward ops; unit_gradients: unit -> its gradients (empty: one per replica).
     """
 
     forward_copies: dict
@@ -83,3 +89,4 @@ class Copies:
     backward_ops: dict
     notes: list
     presummed: bool = False
+    unit_gradients: dict = dataclasses.field(default_factory=dict)

@@ -239,7 +239,7 @@ def connect(ctx, setup):
         view.taskgraph_of[step.loss.op].name not in spanning
     gradients, backward = global_gradients(view, plan, step, forward_copies, weights,
                                            setup.mirrors, multi_worker, kept)
-    if kept and ctx.config.get("gradient_checkpoint.check_gradients"):
+    if kept and ctx.recompute.check_gradients:
         # gradients without checkpointing (never run by the train op): the session
         # compares them with the checkpointed ones before the first step
         plain, _ = global_gradients(view, plan, step, forward_copies, weights, setup.mirrors,

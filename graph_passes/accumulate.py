@@ -1,13 +1,84 @@
-"""Gradient accumulation over micro-batches (one replica's M micro-batch gradients -> one).
+"""Gradient accumulation over micro-batches: each replica's M micro-batch gradients -> one.
 
-Used by the replicate pass when `pipeline.num_micro_batch` > 1.
+With `pipeline.num_micro_batch` M > 1, the replicate pass built M backward
+copies per replica and wired the replica's updates to micro-batch 0's
+gradients. This pass adds, per replica and variable, the M gradients weighted
+by each micro-batch's share of the replica's examples (`accumulate`), and the
+readers of micro-batch 0's gradient (the updates, or the ops the script put
+between compute_gradients and apply_gradients, such as clipping) read the sum
+instead (graph_passes/gradient_flow.py: gradients flow one way).
+
+Result (ctx.accumulation, an `Accumulation`): the accumulated gradients, and
+per (replica, micro-batch) the accumulation ops that are that micro-batch's
+work (the schedule pass runs them in its backward step).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import tensorflow as tf
 
 from epl.ir import graph_mutation
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
+from epl.pass_manager import GraphPass, PassContext, PassResult
+from graph_passes import gradient_flow
+from graph_passes.gradient_flow import ReplicaGradients
+
+
+def num_micro_batches(config) -> int:
+    """`pipeline.num_micro_batch` (at least 1)."""
+    return max(1, int(config.get("pipeline.num_micro_batch")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """What the accumulate pass built.
+
+    gradients: each replica's accumulated gradients (gradient_flow.ReplicaGradients).
+    ops: (replica, micro-batch) -> the accumulation ops that are that micro-batch's
+      work (the add of its gradient; the last micro-batch's also the final scaling).
+    """
+
+    gradients: ReplicaGradients
+    ops: dict
+
+
+class AccumulatePass(GraphPass):
+    """Sums each replica's micro-batch gradients into one, weighted by their shares."""
+
+    name = "accumulate"
+    requires = ("replicate",)   # reads every unit's gradients
+    off_note = "one micro-batch per replica (pipeline.num_micro_batch is 1): nothing to add"
+
+    def enabled(self, config) -> bool:
+        """pipeline.num_micro_batch > 1."""
+        return num_micro_batches(config) > 1
+
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        replication = ctx.replication
+        micro = replication.num_micro_batches
+        replicas = len(replication.micro_scales)
+        first_new = len(graph.get_operations())
+        per_replica, ops = [], {}
+        for k in range(replicas):
+            per_micro = [replication.unit_gradients[(k, m)] for m in range(micro)]
+            taken = [None if g is None else gradient_flow.readers(g) for g in per_micro[0]]
+            accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k])
+            for first, total, readers in zip(per_micro[0], accumulated, taken):
+                if first is not None:
+                    gradient_flow.rewire(first, total, readers)
+            per_replica.append(accumulated)
+            ops.update({(k, m): list(new) for m, new in ops_of.items()})
+        index = {id(grad): i for i, (grad, _) in enumerate(ctx.view.gradients)}
+        entries = [(var, [per_replica[k][index[id(original)]] for k in range(replicas)], original)
+                   for var, _, original in replication.gradients]
+        # split TaskGraphs run one micro-batch (the replicate pass refuses more): unchanged
+        ctx.accumulation = Accumulation(ReplicaGradients(entries,
+                                                         list(replication.split_gradients)), ops)
+        added = [op.name for op in graph.get_operations()[first_new:]]
+        return PassResult(added=added, notes=[
+            f"{micro} micro-batch gradients per variable added per replica, over {replicas} "
+            "replica(s), weighted by each micro-batch's share of its replica's examples"])
 
 
 def accumulate(per_micro: list[list], replica: int, scales: list | None = None
