@@ -96,7 +96,6 @@ from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_ba
 from epl.ir.taskgraph import graph_state
 from epl.logs import get_logger
 from epl.pass_manager import GraphPass, PassContext, PassResult
-from epl.runtime.horovod_comm import horovod
 from epl.sharded_variable import shard_existing, shard_sizes
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
@@ -262,9 +261,13 @@ class _Rewriter:
     """Rewrites one split TaskGraph's ops; the rules call back into it."""
 
     def __init__(self, graph: tf.Graph, taskgraph: str, plan: SplitPlan, host: str,
-                 record: SplitRecord, variables: dict, cross=None):
+                 record: SplitRecord, variables: dict, communicator=None):
         self.graph = graph
-        self.cross = cross if plan.spans_workers else None   # Horovod, for a spanning group
+        # a group that spans every worker: its collectives include the other workers,
+        # through the communicator's worker-level methods
+        self.spanning = plan.spans_workers and communicator is not None and \
+            communicator.num_workers > 1
+        self.communicator = communicator
         self.variables = variables  # variable op -> tf.Variable, created in the TaskGraph
         self.taskgraph = taskgraph
         self.plan = plan
@@ -300,7 +303,7 @@ class _Rewriter:
 
     def offsets(self, sizes, full: int) -> list[int]:
         """Global start of each local slot along a dimension of `full` entries."""
-        if self.cross is None:
+        if not self.spanning:
             return [sum(sizes[:j]) for j in range(len(sizes))]
         return self.plan.offsets(full)
 
@@ -313,22 +316,22 @@ class _Rewriter:
         """
         with self.gathering(name):
             local = tf.add_n(parts) if len(parts) > 1 else parts[0]
-            if self.cross is None:
+            if not self.spanning:
                 return local
-            cross = self.cross
+            comm = self.communicator
 
             @tf.custom_gradient
             def replicated_sum(x):
-                return cross.all_reduce(x, "sum"), lambda dy: dy
+                return comm.workers_all_reduce(x, "sum"), lambda dy: dy
             return replicated_sum(local)
 
     def max_slots(self, parts: list, name: str) -> tf.Tensor:
         """Max over every slot of the group (no gradient: used for stability only)."""
         with self.gathering(name):
             local = tf.stop_gradient(tf.reduce_max(tf.stack(parts), axis=0))
-            if self.cross is None:
+            if not self.spanning:
                 return local
-            return tf.stop_gradient(horovod().allreduce(local, op=horovod().Max))
+            return tf.stop_gradient(self.communicator.workers_all_reduce(local, "max"))
 
     def gather_batch(self, tensor: tf.Tensor) -> tf.Tensor:
         """Every worker's rows of a batch tensor (rank order), for a spanning group.
@@ -340,24 +343,24 @@ class _Rewriter:
         key = ("batch", tensor)
         if key in self._full_cache:
             return self._full_cache[key]
-        cross = self.cross
+        comm = self.communicator
 
         @tf.custom_gradient
         def gathered(x):
             def grad(dy):
-                total = cross.all_reduce(dy, "sum")
+                total = comm.workers_all_reduce(dy, "sum")
                 rows = tf.shape(x)[:1]
-                counts = cross.all_gather(rows)
-                start = tf.reduce_sum(counts[:cross.rank])
+                counts = comm.workers_all_gather(rows)
+                start = tf.reduce_sum(counts[:comm.worker_rank])
                 return total[start:start + rows[0]]
-            return cross.all_gather(x), grad
+            return comm.workers_all_gather(x), grad
         with self.gathering(tensor.op.name):
             result = gathered(tensor)
         self._full_cache[key] = result
         return result
 
     def _refuse_across_workers(self, what: str) -> None:
-        if self.cross is not None:
+        if self.spanning:
             raise ParallelizeError(
                 f"epl.split over {self.plan.num_slots} devices spans several workers, and {what}; "
                 "across workers EPL splits dense layers (column and row), their biases and "
@@ -413,7 +416,7 @@ class _Rewriter:
         if sizes is None:
             sizes = self.plan.sizes(int(dim), what or f"dimension {axis} of variable "
                                     f"{var.op.name} (shape {var.shape.as_list()})", must_divide)
-        elif (sum(sizes) != dim if self.cross is None else
+        elif (sum(sizes) != dim if not self.spanning else
               list(sizes) != self.plan.sizes(int(dim), "dimension")):
             raise ParallelizeError(
                 f"variable {var.op.name} (shape {var.shape.as_list()}) must be split along axis "
@@ -457,7 +460,7 @@ class _Rewriter:
         for op in ops:
             if op.type in VARIABLE_OP_TYPES:
                 continue
-            if self.cross is not None:
+            if self.spanning:
                 for index, tensor in enumerate(list(op.inputs)):
                     if tensor.op not in region and tensor.op in batch_derived \
                             and tensor.shape.rank:
@@ -1202,11 +1205,10 @@ class SplitPass(GraphPass):
                 continue
             variables = owned[taskgraph.name]
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
-            cross = ctx.communicator.cross if ctx.communicator is not None else None
             rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
-                                 variables, cross)
+                                 variables, ctx.communicator)
             batch_derived = set()
-            if rewriter.cross is not None:
+            if rewriter.spanning:
                 batch_inputs, _ = find_batch_inputs(path)
                 batch_derived = descendants(batch_inputs) | {t.op for t in batch_inputs}
             with graph.name_scope(None), graph.control_dependencies(None):

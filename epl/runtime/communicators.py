@@ -204,7 +204,7 @@ class HierarchicalCommunicator(Communicator):
 
     def workers_all_reduce(self, tensor: tf.Tensor, op: str = "sum",
                            label: str | None = None) -> tf.Tensor:
-        """`tensor` reduced (op "sum" or "mean") over every worker's tensor."""
+        """`tensor` reduced (op "sum", "mean" or "max") over every worker's tensor."""
         if self.cross is None:
             return tensor
         return self.cross.all_reduce(tensor, op, label=label)

@@ -133,8 +133,8 @@ class HorovodCommunicator:
 
     def all_reduce(self, tensor: tf.Tensor, op: str = "sum", label: str | None = None,
                    fragment: str | None = None) -> tf.Tensor:
-        """Sum (or mean) of `tensor` over workers."""
-        hvd_op = {"sum": self.hvd.Sum, "mean": self.hvd.Average}[op]
+        """Sum, mean or max (op "sum", "mean", "max") of `tensor` over workers."""
+        hvd_op = {"sum": self.hvd.Sum, "mean": self.hvd.Average, "max": self.hvd.Max}[op]
         return self._call("allreduce", label, tensor, lambda name, t: self.hvd.allreduce(
             t, op=hvd_op, name=name, ignore_name_scope=True), fragment)
 
