@@ -263,7 +263,8 @@ def test_split_pass_is_dumped(tmp_path):
     train(dense_pair(), {"debug.dump_dir": dump}, steps=1)
     names = sorted(os.listdir(dump))
     assert "001_split.pb" in names and "002_gradients.pb" in names
-    assert "003_annotate.json" in names
+    # then the training pipeline, from its first pass
+    assert "003_auto_stages.json" in names and "004_annotate.json" in names
 
 
 # --------------------------------------------------------------------------
