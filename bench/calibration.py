@@ -20,8 +20,9 @@ the cost model takes from the CPU profile's micro-benchmark
 (`epl.profiles.calibrate_cpu_profile`: per-op overhead, by op type for the
 costly kernels, the optimizer's apply rate, the local collectives' latency
 and bandwidth, the matmul rate of a training step); the CPU profile is
-measured in this process, close in time to the runs, since a shared
-machine's load moves both.  The figures are in the README; the last line
+measured in this process before each run (the prediction and the
+measurement are medians over the runs), since a shared machine's load
+moves both.  The figures are in the README; the last line
 counts the examples inside and outside the target.
 tests/test_planner_calibration.py runs one run per example with a looser
 bound that the model meets.
@@ -43,7 +44,7 @@ sys.path.insert(0, ROOT)
 
 from epl.planner.graph_model import model_from_graph  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
-from epl.profiles import HostSpec, virtual_cpu_profiles  # noqa: E402
+from epl.profiles import HostSpec, cpu_profile, virtual_cpu_profiles  # noqa: E402
 from tools.epl_plan import capture_script_graph  # noqa: E402
 
 EXAMPLES_DIR = os.path.join(ROOT, "examples")
@@ -98,16 +99,24 @@ def measured_step_time(example: Example) -> float:
     return statistics.median(example.batch / rate for rate in rates[1:])
 
 
-def predicted_step_time(example: Example) -> float:
-    """The planner's step time for the example's strategy on its virtual
-    CPU devices with the measured CPU profile: identical devices, so the
-    even data-parallel split, or the pipeline a model with annotated stages
-    builds."""
+def captured_model(example: Example):
+    """(ModelSpec, num_micro_batch) of the example, captured as `epl-plan
+    --script` captures it."""
     with contextlib.redirect_stdout(io.StringIO()):  # the script's own lines
         graph, config = capture_script_graph(script_path(example),
                                              list(example.argv))
-    model = model_from_graph(graph, name=example.script)
-    micro = config.get("pipeline.num_micro_batch")
+    return (model_from_graph(graph, name=example.script),
+            config.get("pipeline.num_micro_batch"))
+
+
+def predicted_step_time(example: Example, captured=None) -> float:
+    """The planner's step time for the example's strategy on its virtual
+    CPU devices with the CPU profile measured now (`cpu_profile` is
+    re-measured): identical devices, so the even data-parallel split, or
+    the pipeline a model with annotated stages builds.  `captured`: the
+    example's `captured_model`, captured here when None."""
+    model, micro = captured or captured_model(example)
+    cpu_profile.cache_clear()
     hosts = [HostSpec(virtual_cpu_profiles(example.devices)[0],
                       example.devices)]
     plan = plan_cluster(model, hosts, global_batch=example.batch,
@@ -118,12 +127,16 @@ def predicted_step_time(example: Example) -> float:
 
 
 def calibrate(example: Example, runs: int) -> tuple[float, float]:
-    """(predicted, measured) seconds per step; measured is the median of
-    `runs` runs' medians."""
-    predicted = predicted_step_time(example)
-    measured = statistics.median(measured_step_time(example)
-                                 for _ in range(runs))
-    return predicted, measured
+    """(predicted, measured) seconds per step, each the median over `runs`
+    rounds of a prediction with the CPU profile measured just before and a
+    run of the example: on a shared machine the load moves within
+    minutes, and each prediction is made under the load its run sees."""
+    captured = captured_model(example)
+    predicted, measured = [], []
+    for _ in range(runs):
+        predicted.append(predicted_step_time(example, captured))
+        measured.append(measured_step_time(example))
+    return statistics.median(predicted), statistics.median(measured)
 
 
 def ratio_line(example: Example, predicted: float, measured: float) -> str:

@@ -16,7 +16,12 @@ at least 2x), a line counting the rows that meet and miss the target, and
 checks that no balanced plan runs out of memory where the even split fits.
 "comm" is the share of communication (gradient all-reduce, expert
 all-to-all) in the even split's step on its slowest device: balancing
-cannot shorten it, so it bounds the ratio.  For a row that misses the
+cannot shorten it, so it bounds the ratio.  Both plans of a row cut the
+expert dispatch into the chunks the planner's model predicts fastest
+(`split.moe_chunks`, `epl.planner.step_cost.exposed_alltoall_time`: each
+chunk's all-to-all overlapping the previous chunk's expert compute); the
+chosen plan names the count, and a row that misses the target also gives
+both plans unchunked.  For a row that misses the
 target, the ratio line adds the fastest plan an exhaustive search finds
 (`exhaustive_best`: every split of the experts and of the batch between the
 two device kinds, through the planner's own cost model), to tell a search
@@ -95,12 +100,24 @@ def _case(cluster: str, model_name: str, per_device: int) -> dict:
     even, balanced = plan.alternative(EVEN), plan.alternative(BALANCED)
     computes = [load.compute_s for load in even.loads]
     slowest = max(even.loads, key=lambda load: load.step_s)
-    return {
+    case = {
         "batch": batch,
         "gap": max(computes) / min(computes),
         "comm": slowest.comm_s / slowest.step_s,
         "even": even, "balanced": balanced, "chosen": plan.chosen,
     }
+    if _chunks(balanced) > 1:  # the same plans with the dispatch unchunked
+        whole = plan_cluster(builtin_model(model_name, DTYPE), hosts, "adam",
+                             batch, PlanOptions(compute_dtype=DTYPE,
+                                                moe_chunks=1))
+        case["unchunked"] = (whole.alternative(EVEN),
+                             whole.alternative(BALANCED))
+    return case
+
+
+def _chunks(alt) -> int:
+    """The chunk count of an alternative's expert dispatch (split.moe_chunks)."""
+    return max((load.moe_chunks for load in alt.rows), default=1)
 
 
 def exhaustive_best(cluster: str, model_name: str, per_device: int
@@ -182,7 +199,9 @@ def mixed_clusters(clusters=CLUSTERS, tag: str = "") -> list[str]:
                 f"{_ms(even):>9} {_ms(balanced):>12} "
                 f"{_ms(case['chosen']):>10}  "
                 f"{(f'{ratio:.2f}x' if ratio else '-'):>6}  "
-                f"{case['chosen'].name}")
+                f"{case['chosen'].name}"
+                + (f", dispatch in {_chunks(case['chosen'])} chunks"
+                   if _chunks(case["chosen"]) > 1 else ""))
             name = f"{cluster_name}, {model_name}"
             if ratio is not None and case["gap"] >= 2 and ratio < TARGET:
                 case["exhaustive"] = exhaustive_best(cluster, model_name,
@@ -215,6 +234,17 @@ def _ratio_line(label: str, case: dict, ratio: float | None) -> str:
         if ratio < TARGET:
             target += (f"; communication, the same on every device, is "
                        f"{case['comm']:.0%} of the even split's step")
+            unchunked = case.get("unchunked")
+            if unchunked:
+                even, balanced = unchunked
+                target += (f"; with the dispatch in "
+                           f"{_chunks(case['balanced'])} chunks (split."
+                           f"moe_chunks) on both sides; unchunked: "
+                           f"{even.step_time * 1e3:.1f} / "
+                           f"{balanced.step_time * 1e3:.1f} ms = "
+                           f"{even.step_time / balanced.step_time:.2f}x; "
+                           f"chunked balanced vs unchunked even: "
+                           f"{even.step_time / case['balanced'].step_time:.2f}x")
             best = case.get("exhaustive")
             if best:
                 target += (f"; the fastest plan of an exhaustive search "

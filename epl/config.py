@@ -262,6 +262,14 @@ _SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("cluster.device_profiles", "dict", {},  # successor
             "Overrides of device profiles (by device or profile name) for "
             "the planner."),
+    # split (successor)
+    KeySpec("split.moe_chunks", "int", 1,
+            "Chunks each expert dispatch of epl.split is cut into along the tokens' "
+            "capacity axis, so that the all-to-all of chunk i+1 overlaps the expert "
+            "compute of chunk i (Tutel's and FasterMoE's pipelining); must divide the "
+            "capacity. 1 = one exchange; epl-plan prints the count its cost model "
+            "predicts fastest.",
+            minimum=1),
     # communication
     KeySpec("communication.num_communicators", "int", 2,
             "Number of communicators in the communication pool.",

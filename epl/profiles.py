@@ -435,41 +435,75 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 class _Bench:
     """Times graphs built by a function of one count, on virtual CPU devices.
 
-    Runs go through tf.compat.v1 sessions with `device_count` CPUs and
-    Grappler off, so the ops run as built (a chain of tiny ops would be
-    folded away otherwise); each point is the median of `_CALIBRATION_RUNS`
-    runs after two warm-up runs (the examples' step times are medians too,
-    taken under the same load).
+    Runs go through tf.compat.v1 sessions with `device_count` CPUs, with
+    Grappler and the classic graph optimizer's constant folding and common
+    subexpression elimination off, so the ops run as built (a chain of tiny
+    ops would be folded away, and identical ops merged, otherwise).
+
+    A fit's points are timed interleaved: every point's session is opened
+    and warmed up first, then the runs go round the points `_CALIBRATION_RUNS`
+    times, and each point keeps its median.  On a shared machine the load
+    changes within seconds; interleaved, every point sees the same load, so
+    a change moves the line up or down rather than tilting it (timed one
+    point after the other, a fitted slope moved 3x between two calls).
+    The examples' step times are medians too, taken under the same load.
     """
 
     def __init__(self, tf: Any) -> None:
         self.tf = tf
 
-    def seconds(self, build, count: int, devices: int) -> float:
-        """Median seconds of one run of the graph `build(count)` returns."""
+    def _config(self, devices: int) -> Any:
+        """The session config: `devices` CPUs, graph as built."""
         tf = self.tf
-        graph = tf.Graph()
-        with graph.as_default():
-            fetch = build(count)
-            init = tf.compat.v1.global_variables_initializer()
         config = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
         config.graph_options.rewrite_options.disable_meta_optimizer = True
-        with tf.compat.v1.Session(graph=graph, config=config) as sess:
-            sess.run(init)
-            for _ in range(2):
-                sess.run(fetch)
-            times = []
-            for _ in range(_CALIBRATION_RUNS):
-                start = time.perf_counter()
-                sess.run(fetch)
-                times.append(time.perf_counter() - start)
-        times.sort()
-        return times[len(times) // 2]
+        options = config.graph_options.optimizer_options
+        options.opt_level = tf.compat.v1.OptimizerOptions.L0
+        options.do_common_subexpression_elimination = False
+        options.do_constant_folding = False
+        return config
 
-    def slope(self, build, counts: tuple[int, int], devices: int) -> float:
+    def times(self, builds: list, devices: int) -> list[float]:
+        """Median seconds of one run of each graph that a function of
+        `builds` returns, timed interleaved."""
+        tf = self.tf
+        sessions, fetches = [], []
+        try:
+            for build in builds:
+                graph = tf.Graph()
+                with graph.as_default():
+                    fetches.append(build())
+                    init = tf.compat.v1.global_variables_initializer()
+                sessions.append(tf.compat.v1.Session(
+                    graph=graph, config=self._config(devices)))
+                sessions[-1].run(init)
+                for _ in range(2):  # warm-up
+                    sessions[-1].run(fetches[-1])
+            samples: list[list[float]] = [[] for _ in builds]
+            for _ in range(_CALIBRATION_RUNS):
+                for session, fetch, times in zip(sessions, fetches, samples):
+                    start = time.perf_counter()
+                    session.run(fetch)
+                    times.append(time.perf_counter() - start)
+        finally:
+            for session in sessions:
+                session.close()
+        return [sorted(t)[len(t) // 2] for t in samples]
+
+    def seconds(self, build, count: int, devices: int) -> float:
+        """Median seconds of one run of the graph `build(count)` returns."""
+        return self.times([lambda: build(count)], devices)[0]
+
+    def line(self, build, counts: tuple[int, ...], devices: int
+             ) -> tuple[float, float]:
+        """(intercept, slope) of run time over `counts` of `build`."""
+        seconds = self.times([functools.partial(build, c) for c in counts],
+                             devices)
+        return _fit_line(list(zip(counts, seconds)))
+
+    def slope(self, build, counts: tuple[int, ...], devices: int) -> float:
         """Seconds per unit of count: the slope of run time over `counts`."""
-        points = [(c, self.seconds(build, c, devices)) for c in counts]
-        return max(_fit_line(points)[1], 1e-12)
+        return max(self.line(build, counts, devices)[1], 1e-12)
 
 
 def _chains(tf: Any, shape: list[int], devices: int):
@@ -525,10 +559,12 @@ def _op_type_overheads(bench: "_Bench", tf: Any, devices: int,
     return found
 
 
-def _adam_updates(tf: Any, devices: int, shape: list[int]):
+def _adam_updates(tf: Any, devices: int, shape: list[int],
+                  types: list | None = None):
     """build(n): Adam's apply kernel on n variables of `shape` (each with
     its two slots), spread over the devices; raw kernels, so that EPL's
-    optimizer hooks see no training step."""
+    optimizer hooks see no training step.  The op type built is appended
+    to `types` when given."""
     def build(n: int):
         outs = []
         for d in range(devices):
@@ -541,19 +577,28 @@ def _adam_updates(tf: Any, devices: int, shape: list[int]):
                         var=var.handle, m=m.handle, v=v.handle,
                         beta1_power=0.9, beta2_power=0.999, lr=1e-3,
                         beta1=0.9, beta2=0.999, epsilon=1e-7, grad=grad))
+        if types is not None and outs:
+            types.append(outs[-1].type)
         return tf.group(*outs)
     return build
 
 
-def _optimizer_bandwidth(bench: "_Bench", tf: Any, devices: int) -> float:
-    """Bytes/s Adam's apply kernel reads and writes (variable, two slots,
-    gradient in; variable and slots out: 7 x the variable) on 256x256
-    variables, less the per-op cost of 16-element ones."""
+def _optimizer_costs(bench: "_Bench", tf: Any, devices: int,
+                     overhead: float) -> tuple[float, dict[str, float]]:
+    """(bytes/s, {op type: seconds per op beyond `overhead`}) of Adam's
+    apply kernel: the bytes it reads and writes (variable, two slots,
+    gradient in; variable and slots out: 7 x the variable) per second on
+    256x256 variables, less the per-op cost of 16-element ones; that
+    per-op cost is the kernel's fixed cost (a few microseconds: a training
+    step pays it once per variable and replica)."""
     counts, big = (8, 32), 256 * 256
-    small = bench.slope(_adam_updates(tf, devices, [16]), counts, devices)
+    types: list = []
+    small = bench.slope(_adam_updates(tf, devices, [16], types), counts,
+                        devices)
     large = bench.slope(_adam_updates(tf, devices, [256, 256]), counts,
                         devices)
-    return 7 * 4.0 * (big - 16) / max(large - small, 1e-12)
+    rate = 7 * 4.0 * (big - 16) / max(large - small, 1e-12)
+    return rate, {types[-1]: max(small - overhead, 0.0)}
 
 
 def _all_reduces(tf: Any, nbytes: int, devices: int):
@@ -625,19 +670,32 @@ def _training_steps(tf: Any, devices: int, width: int = 512):
     return build
 
 
+#: Batches of the training-step fit (points of a line).
+_TRAINING_BATCHES = (64, 192, 320)
+
+
 def _training_matmul_flops(bench: "_Bench", tf: Any, devices: int) -> float:
     """float32 FLOP/s the matmuls of a training step reach on `devices`
-    virtual devices: the extra FLOPs of a larger batch (6 x width^2 per
-    example and layer: forward, and the input and weight gradients) over
-    the extra time."""
-    batches, width = (64, 320), 512
-    per_example = bench.slope(_training_steps(tf, devices, width), batches,
-                              devices)
-    return 2 * 6.0 * width * width * devices / per_example
+    virtual devices: the extra FLOPs of a larger batch over the extra time,
+    the FLOPs counted by the planner's own cost model
+    (`epl.planner.cost_model.graph_cost`: forward, the gradients the graph
+    has -- the first layer has no input gradient -- and the small
+    elementwise ops), so that the rate is what the planner's FLOP counts
+    run at."""
+    from epl.planner import cost_model
+    build = _training_steps(tf, devices)
+    flops = []
+    for batch in _TRAINING_BATCHES:
+        with tf.Graph().as_default() as graph:
+            build(batch)
+        flops.append(cost_model.graph_cost(graph)[cost_model.ALL].flops)
+    seconds = bench.times([functools.partial(build, b)
+                           for b in _TRAINING_BATCHES], devices)
+    return 1.0 / max(_fit_line(list(zip(flops, seconds)))[1], 1e-18)
 
 
 def calibrate_cpu_profile() -> DeviceProfile:
-    """Measure this machine's "CPU" profile with TensorFlow (~4 s).
+    """Measure this machine's "CPU" profile with TensorFlow (~10 s).
 
     Needs TensorFlow (imported here, so that planning on the GPU table
     never loads it).  Every TensorFlow figure is a fitted slope -- the
@@ -649,7 +707,10 @@ def calibrate_cpu_profile() -> DeviceProfile:
       share the cores, so this is the whole CPU's cost per op).
     - peak_flops: the float32 rate the matmuls of a data-parallel training
       step of a 512-wide MLP reach on `CALIBRATION_DEVICES` devices (the
-      extra time of a larger batch), divided by
+      extra time of larger batches, the FLOPs counted by the planner's
+      cost model; the median of three rounds spread through the
+      calibration, since a shared machine's load flips within seconds),
+      divided by
       `epl.planner.roofline.DEFAULT_EFFICIENCY` so that the planner's
       default efficiency predicts that rate (smaller matmuls lose to
       op_overhead_s).  A numpy matmul (the figure used before) or a
@@ -662,8 +723,8 @@ def calibrate_cpu_profile() -> DeviceProfile:
     - op_type_overhead_s: the same fit for chains of tiny ([2, 2, 8, 8])
       batched matmuls, einsums, transposes and softmaxes, less
       op_overhead_s (their kernels' fixed cost: tens of microseconds).
-    - optimizer_bandwidth: the bytes Adam's apply ops move per second
-      (`_optimizer_bandwidth`).
+    - optimizer_bandwidth: the bytes Adam's apply ops move per second, and
+      Adam's per-op fixed cost in op_type_overhead_s (`_optimizer_costs`).
     - intra_node_bandwidth and collective_latency_s: chained all-reduces
       of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
       small one's time over its 2 (n - 1) ring steps is the latency, the
@@ -676,14 +737,22 @@ def calibrate_cpu_profile() -> DeviceProfile:
     import tensorflow as tf
 
     bench, k = _Bench(tf), CALIBRATION_DEVICES
+    rates = [_training_matmul_flops(bench, tf, k)]
     overhead = bench.slope(_chains(tf, [16], k), _OVERHEAD_OPS, k)
-    fp32 = _training_matmul_flops(bench, tf, k) / DEFAULT_EFFICIENCY
     bandwidth = _measure_copy_bandwidth()
     small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
                     for b in _COLLECTIVE_BYTES)
     latency = small / (2 * (k - 1))
     moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
     link = moved / max(large - small, 1e-12)
+    rates.append(_training_matmul_flops(bench, tf, k))
+    optimizer_bandwidth, apply_overhead = _optimizer_costs(bench, tf, k,
+                                                           overhead)
+    rates.append(_training_matmul_flops(bench, tf, k))
+    # The rate in rounds through the calibration, the median kept: on a
+    # shared machine a round samples the load of under a second, which
+    # flips between states 2x apart (another job on a core or not).
+    fp32 = sorted(rates)[1] / DEFAULT_EFFICIENCY
     return DeviceProfile(
         name=CPU_PROFILE_NAME,
         peak_flops={"float32": fp32, "float16": fp32, "bfloat16": fp32,
@@ -694,8 +763,9 @@ def calibrate_cpu_profile() -> DeviceProfile:
         inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
         op_overhead_s=overhead,
         collective_latency_s=latency,
-        op_type_overhead_s=_op_type_overheads(bench, tf, k, overhead),
-        optimizer_bandwidth=_optimizer_bandwidth(bench, tf, k))
+        op_type_overhead_s={**_op_type_overheads(bench, tf, k, overhead),
+                            **apply_overhead},
+        optimizer_bandwidth=optimizer_bandwidth)
 
 
 def _total_ram_bytes() -> int:
@@ -706,7 +776,7 @@ def _total_ram_bytes() -> int:
 @functools.lru_cache(maxsize=1)
 def cpu_profile() -> DeviceProfile:
     """The "CPU" profile of this machine, measured once per process
-    (`calibrate_cpu_profile`, ~4 s, imports TensorFlow).  To skip the
+    (`calibrate_cpu_profile`, ~10 s, imports TensorFlow).  To skip the
     measurement (and have every worker plan with the same figures), write
     a profile file with ``epl-plan --calibrate --output FILE`` and give it
     as `cluster.device_profiles` or ``epl-plan --profiles FILE``."""

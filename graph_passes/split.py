@@ -189,12 +189,15 @@ class SplitPlan:
 
 @dataclasses.dataclass
 class Slicer:
-    """A dispatch slice: a slot reads `source`[offset:offset+size] along `axis`."""
+    """A dispatch slice: a slot reads `source`[offset:offset+size] along `axis`
+    (and, for one chunk of a chunked dispatch, `chunk` = (axis, offset, size):
+    the chunk's tokens along their capacity axis, `split.moe_chunks`)."""
 
     source: tf.Tensor
     axis: int
     offset: int
     size: int
+    chunk: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -261,8 +264,10 @@ class _Rewriter:
     """Rewrites one split TaskGraph's ops; the rules call back into it."""
 
     def __init__(self, graph: tf.Graph, taskgraph: str, plan: SplitPlan, host: str,
-                 record: SplitRecord, variables: dict, communicator=None):
+                 record: SplitRecord, variables: dict, communicator=None,
+                 moe_chunks: int = 1):
         self.graph = graph
+        self.moe_chunks = moe_chunks    # chunks of each expert dispatch (split.moe_chunks)
         # a group that spans every worker: its collectives include the other workers,
         # through the communicator's worker-level methods
         self.spanning = plan.spans_workers and communicator is not None and \
@@ -450,6 +455,50 @@ class _Rewriter:
             self.record.slicers[part] = Slicer(tensor, axis, offset, size)
             parts.append(part)
         return Sharded(parts, axis, tuple(sizes))
+
+    def slice_chunks(self, tensor: tf.Tensor, axis: int, sizes, chunk_axis: int,
+                     what: str) -> list:
+        """The chunked dispatch (`split.moe_chunks` = C > 1): slot j's slice of a
+        full tensor along `axis`, cut into C equal chunks along `chunk_axis` (the
+        tokens' capacity axis); one Sharded per chunk. Each chunk is its own
+        slice (with data-parallel replicas, its own all-to-all), so the exchange
+        of chunk c + 1 can run while the experts compute chunk c."""
+        chunks = self.moe_chunks
+        extent = _static_dim(tensor, chunk_axis)
+        if extent is None or extent % chunks:
+            raise ParallelizeError(
+                f"split.moe_chunks={chunks} must divide the tokens' capacity axis "
+                f"{chunk_axis} of {tensor.name} (shape {tensor.shape.as_list()}), the "
+                f"input of {what}, which has {extent if extent is not None else 'an unknown'} "
+                f"entries. Set split.moe_chunks to a divisor of {extent} (1: no chunks), "
+                "or give the tokens a static capacity divisible by it.")
+        rank = tensor.shape.rank
+        step = extent // chunks
+        offsets = self.offsets(list(sizes), int(tensor.shape[axis]))
+        out = []
+        for c in range(chunks):
+            parts = []
+            for j, (size, offset) in enumerate(zip(sizes, offsets)):
+                begin, size_of = [0] * rank, [-1] * rank
+                begin[axis], size_of[axis] = offset, size
+                begin[chunk_axis], size_of[chunk_axis] = c * step, step
+                with self.on(j):
+                    part = tf.slice(tensor, begin, size_of, name=f"chunk_{c}")
+                self.record.slicers[part] = Slicer(tensor, axis, offset, size,
+                                                   (chunk_axis, c * step, step))
+                parts.append(part)
+            out.append(Sharded(parts, axis, tuple(sizes)))
+        return out
+
+    def concat_chunks(self, chunk_parts: list, axis: int) -> list:
+        """Slot j's chunk results concatenated along `axis` (the chunked dispatch's
+        per-slot output, in the tokens' order)."""
+        parts = []
+        for j in range(self.k):
+            with self.on(j):
+                parts.append(tf.concat([chunk[j] for chunk in chunk_parts], axis=axis,
+                                       name="chunks"))
+        return parts
 
     # -- the walk ------------------------------------------------------------
     def run(self, ops: list[tf.Operation], batch_derived: set = frozenset()) -> None:
@@ -745,6 +794,8 @@ def _expert_matmul(rw: _Rewriter, op, layouts):
         sb = _as_sharded(rw, lb, b, 0, None, what, must_divide=True)
         if sb is None:
             return KEEP if _is_full(lb) else None
+        if rw.moe_chunks > 1:      # the chunked dispatch: one slice and matmul per chunk
+            return _chunked_expert_matmul(rw, op, rw.value(la, a), a_axis, sb)
         sa = rw.slice(rw.value(la, a), a_axis, sb.sizes)
     if sb is None:
         return None
@@ -755,6 +806,37 @@ def _expert_matmul(rw: _Rewriter, op, layouts):
             parts.append(tf.linalg.matmul(sa.parts[j], sb.parts[j], adjoint_a=adj_x,
                                           adjoint_b=adj_y))
     return [Sharded(parts, op.outputs[0].shape.rank - 3, sb.sizes)]
+
+
+def _chunked_expert_matmul(rw: _Rewriter, op, tokens, a_axis: int, sb: Sharded):
+    """The expert matmul on a dispatch cut into `rw.moe_chunks` chunks along the
+    tokens' rows (axis m of [.., E, m, d]; the last axis under adj_x): chunk c's
+    slice and matmul on every slot, the chunks concatenated back per slot."""
+    adj_x, adj_y = op.get_attr("adj_x"), op.get_attr("adj_y")
+    rank = tokens.shape.rank
+    chunk_axis = rank - 1 if adj_x else rank - 2
+    chunks = rw.slice_chunks(tokens, a_axis, sb.sizes, chunk_axis, f"{op.name} ({op.type})")
+    results = []
+    for chunk in chunks:
+        parts = []
+        for j in range(rw.k):
+            with rw.on(j):
+                parts.append(tf.linalg.matmul(chunk.parts[j], sb.parts[j], adjoint_a=adj_x,
+                                              adjoint_b=adj_y))
+        results.append(parts)
+    out_rank = op.outputs[0].shape.rank
+    return [Sharded(rw.concat_chunks(results, out_rank - 2), out_rank - 3, sb.sizes)]
+
+
+def _einsum_chunk_label(labels: list, out: list, index: int, label):
+    """The label along which the chunked dispatch cuts operand `index` (the
+    tokens): its last label, other than the split one, that the output keeps and
+    no other operand has (the capacity c of "egcm,emh->egch"); None if none."""
+    others = {l for i, term in enumerate(labels) if i != index for l in term}
+    for candidate in reversed(labels[index]):
+        if candidate != label and candidate in out and candidate not in others:
+            return candidate
+    return None
 
 
 def _einsum_labels(op):
@@ -859,7 +941,16 @@ def _einsum(rw: _Rewriter, op, layouts):
         order = [pending[0]] + [i for i in order if i != pending[0]]   # its shards set the sizes
     if full is None:
         return None
-    parts_of = {}
+    sliced = [i for i in order if not isinstance(layouts[i], (Sharded, Pending))
+              and label in labels[i]]
+    chunk_label = None
+    if expert and rw.moe_chunks > 1 and len(sliced) == 1:
+        chunk_label = _einsum_chunk_label(labels, out, sliced[0], label)
+        if chunk_label is None:
+            _LOG.info("split.moe_chunks: %s (%s) has no capacity axis to cut the "
+                      "dispatch along; it is dispatched whole", op.name,
+                      op.get_attr("equation"))
+    parts_of, chunked = {}, None
     for i in order:
         tensor, layout = op.inputs[i], layouts[i]
         axis = labels[i].index(label) if label in labels[i] else None
@@ -880,9 +971,24 @@ def _einsum(rw: _Rewriter, op, layouts):
             if split is None:
                 return None
             parts_of[i], sizes = split.parts, split.sizes
+        elif chunk_label is not None and i == sliced[0]:
+            chunked = (i, rw.slice_chunks(rw.value(layout, tensor), axis, sizes,
+                                          labels[i].index(chunk_label),
+                                          f"{op.name} ({op.type})"))
         else:
             parts_of[i] = rw.slice(rw.value(layout, tensor), axis, sizes).parts
-    parts = _clone_on_slots(rw, op, lambda j: [parts_of[i][j] for i in range(len(op.inputs))])
+    if chunked is not None:       # the chunked dispatch: one einsum per chunk and slot
+        index, chunks = chunked
+        results = []
+        for c, chunk in enumerate(chunks):
+            parts_of[index] = chunk.parts
+            results.append(_clone_on_slots(
+                rw, op, lambda j: [parts_of[i][j] for i in range(len(op.inputs))],
+                suffix=f"/chunk_{c}"))
+        parts = rw.concat_chunks(results, out.index(chunk_label))
+    else:
+        parts = _clone_on_slots(rw, op, lambda j: [parts_of[i][j]
+                                                   for i in range(len(op.inputs))])
     if label in out:
         return [Sharded(parts, out.index(label), sizes)]
     return [Partial(parts)]
@@ -911,12 +1017,12 @@ BINARY = ("Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum", 
 LINEAR_BINARY = ("Add", "AddV2", "Sub")
 
 
-def _clone_on_slots(rw: _Rewriter, op, inputs_of) -> list:
+def _clone_on_slots(rw: _Rewriter, op, inputs_of, suffix: str = "") -> list:
     """Copies of `op` on each slot, with slot j's inputs `inputs_of(j)`."""
     parts = []
     for j in range(rw.k):
-        copy = clone_op(op, inputs_of(j), f"{op.name}/EPL_SPLIT_{j}", rw.plan.devices[j],
-                        rw.attrs(j))
+        copy = clone_op(op, inputs_of(j), f"{op.name}/EPL_SPLIT_{j}{suffix}",
+                        rw.plan.devices[j], rw.attrs(j))
         parts.append(copy.outputs[0])
     return parts
 
@@ -1206,7 +1312,7 @@ class SplitPass(GraphPass):
             variables = owned[taskgraph.name]
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
             rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
-                                 variables, ctx.communicator)
+                                 variables, ctx.communicator, _moe_chunks(ctx.config))
             batch_derived = set()
             if rewriter.spanning:
                 batch_inputs, _ = find_batch_inputs(path)
@@ -1232,6 +1338,13 @@ class SplitPass(GraphPass):
         if replaced:  # they stay in the graph (TensorFlow cannot delete ops) and never run
             notes.append(f"replaced, never run: {', '.join(replaced)}")
         return PassResult(added=added, notes=notes)
+
+
+def _moe_chunks(config) -> int:
+    """split.moe_chunks of `config` (1 without a config)."""
+    if config is None:
+        return 1
+    return int(config.get("split.moe_chunks"))
 
 
 def _taskgraph_of(op: tf.Operation) -> str | None:

@@ -31,6 +31,7 @@ EXPECTED_DEFAULTS = {
     "cluster.colocate_split_and_replicate": False,
     "cluster.virtual_devices": 4,
     "cluster.device_profiles": {},
+    "split.moe_chunks": 1,
     "communication.num_communicators": 2,
     "communication.sparse_as_dense": False,
     "communication.max_splits": 5,
@@ -99,7 +100,7 @@ def test_schema_entries_describe_each_key() -> None:
 def test_sections() -> None:
     assert Config.sections() == (
         "pipeline", "gradient_checkpoint", "zero", "offload", "amp", "optimizer",
-        "cluster", "communication", "io", "auto", "debug")
+        "cluster", "split", "communication", "io", "auto", "debug")
 
 
 # Input and access ------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_unknown_section_lists_sections_and_suggests() -> None:
     assert "Unknown config section 'pipline'" in text
     assert "Did you mean 'pipeline.num_micro_batch'?" in text
     assert ("Valid sections: pipeline, gradient_checkpoint, zero, offload, amp, optimizer, "
-            "cluster, communication, io, auto, debug.") in text
+            "cluster, split, communication, io, auto, debug.") in text
 
 
 def test_unknown_section_far_from_any() -> None:

@@ -226,3 +226,34 @@ SPLIT_GOLDEN: dict[str, int] = {
     "Exp": 2, "Log": 1, "MatMul": 2, "Max": 3, "Mul": 2, "NoOp": 3, "OneHot": 2, "Pack": 1,
     "ReadVariableOp": 6, "Slice": 2, "StopGradient": 1, "StridedSlice": 2, "Sub": 5, "Sum": 4,
     "VarHandleOp": 2, "VarIsInitializedOp": 2}
+
+
+def _split_experts(epl_env, chunks: int) -> dict[str, int]:
+    """Op types the split pass adds for one expert matmul (tokens [B, E=4, capacity 4,
+    d], weight [E, d, h]) over two devices with split.moe_chunks=`chunks`."""
+    epl_env({"cluster.virtual_devices": 2, "split.moe_chunks": chunks})
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = tf.compat.v1.placeholder(tf.float32, [BATCH, 4, 4, FEATURES])
+        with epl.split(device_count=2):
+            experts = tf.compat.v1.get_variable("experts", [4, FEATURES, HIDDEN])
+            out = tf.matmul(tokens, experts)
+        loss = tf.reduce_mean(out)   # outside the scope: the combine concat
+        before = set(graph.get_operations())
+        parallel.run_gradient_time_pipeline(graph, loss)
+    return _counts(op for op in graph.get_operations() if op not in before)
+
+
+def test_split_pass_chunked_expert_dispatch(epl_env):
+    """split.moe_chunks=2: the dispatch is two slices per device (one per chunk of the
+    capacity axis) instead of one, each feeding its own expert matmul, and each device
+    concatenates its chunks back (the other Slice and ConcatV2 ops: the variable's
+    shards and their view, the combine)."""
+    assert _split_experts(epl_env, 1) == SPLIT_EXPERTS_GOLDEN
+    assert _split_experts(epl_env, 2) == {**SPLIT_EXPERTS_GOLDEN, "BatchMatMulV2": 4,
+                                          "ConcatV2": 4, "Const": 16, "Slice": 6}
+
+
+SPLIT_EXPERTS_GOLDEN: dict[str, int] = {
+    "AssignVariableOp": 2, "BatchMatMulV2": 2, "ConcatV2": 2, "Const": 10, "NoOp": 3,
+    "ReadVariableOp": 6, "Slice": 4, "VarHandleOp": 2, "VarIsInitializedOp": 2}

@@ -310,8 +310,9 @@ EVEN = "data-parallel, even split"
 
 
 def _comm(spec, model, batch=64):
-    """Each device's communication seconds under the even split."""
-    plan = plan_cluster(model, spec, "sgd", batch)
+    """Each device's communication seconds under the even split (the
+    all-to-all unchunked, moe_chunks=1: all of it is communication)."""
+    plan = plan_cluster(model, spec, "sgd", batch, PlanOptions(moe_chunks=1))
     return [load.comm_s for load in plan.alternative(EVEN).loads]
 
 
@@ -789,3 +790,94 @@ def test_cli_script_is_captured_at_its_first_session(capsys, tmp_path):
     code, out, err = _cli(capsys, "--cluster", "1xT4", "--script", str(bad))
     assert code == 2
     assert "failed before creating a session: RuntimeError: boom" in err
+
+
+# ------------------------------------------- chunked expert dispatch --
+
+def test_pipelined_time_overlaps_comparable_comm_and_compute():
+    from epl.planner.step_cost import pipelined_time
+    # one chunk: the exchange, then the computation
+    assert pipelined_time(3.0, 2.0, 1) == 5.0
+    # C chunks: the busier stream throughout, one chunk of the other sticks
+    # out (Tutel / FasterMoE): max + min / C
+    assert pipelined_time(3.0, 2.0, 4) == pytest.approx(3.0 + 2.0 / 4)
+    assert pipelined_time(2.0, 3.0, 4) == pytest.approx(3.0 + 2.0 / 4)
+    # comparable figures gain most: 2 -> 1.125 of 2 for equal comm and compute
+    assert pipelined_time(1.0, 1.0, 8) == pytest.approx(1.125)
+    # each chunk past the first pays its message latency
+    assert pipelined_time(1.0, 1.0, 8, 0.01) == pytest.approx(1.125 + 0.07)
+
+
+def _chunk_ctx(cluster, latency=0.0):
+    import dataclasses as dc
+    from epl.planner.search import _context
+    from epl.planner.step_cost import _totals
+    from epl.profiles import parse_cluster
+    model = _moe_model()
+    ctx = _context(model, parse_cluster(cluster), "sgd", 64, PlanOptions())
+    ctx.devices = [dc.replace(d, profile=dc.replace(
+        d.profile, collective_latency_s=latency)) for d in ctx.devices]
+    return ctx, _totals(model.layers, False)
+
+
+def test_chunking_helps_when_comm_and_compute_are_comparable():
+    from epl.planner.step_cost import exposed_alltoall_time
+    ctx, totals = _chunk_ctx("2x2xT4")
+    # the dispatch (half the exchange) pipelines with half the expert compute
+    exposed, chunks = exposed_alltoall_time(ctx, totals, 0.2, 0.2)
+    assert chunks == 8
+    assert exposed == pytest.approx(0.1 + 0.1 / 8)
+    assert exposed_alltoall_time(ctx, totals, 0.2, 0.2, 1) == (0.2, 1)
+    # a given chunk count is evaluated, not searched
+    assert exposed_alltoall_time(ctx, totals, 0.2, 0.2, 2) == \
+        pytest.approx((0.1 + 0.05, 2))
+    # nothing to hide behind: no gain, the smallest count on the tie
+    assert exposed_alltoall_time(ctx, totals, 0.2, 0.0) == (0.2, 1)
+
+
+def test_chunking_is_not_chosen_where_the_latency_outweighs_it():
+    from epl.planner.step_cost import alltoall_chunk_latency, exposed_alltoall_time
+    # 2 layers x 2 chunked exchanges x 3 peers x 1 ms = 12 ms per extra chunk
+    ctx, totals = _chunk_ctx("2x2xT4", latency=1e-3)
+    assert alltoall_chunk_latency(ctx, totals) == pytest.approx(12e-3)
+    assert exposed_alltoall_time(ctx, totals, 0.01, 0.01) == (0.01, 1)
+    # a larger exchange gains from a few chunks, not from 8:
+    # 0.1 + 0.1 / C + 12 ms x (C - 1) is least at C = 4
+    exposed, chunks = exposed_alltoall_time(ctx, totals, 0.2, 0.2)
+    assert chunks == 4 and exposed == pytest.approx(0.1 + 0.025 + 0.036)
+
+
+def test_chunking_is_never_predicted_to_help_on_one_device():
+    model = epl_plan.builtin_model("m6-mini", "float16")
+    plan = plan_cluster(model, "1x1xA100-80GB", "adam", 64,
+                        PlanOptions(compute_dtype="float16"))
+    assert all(load.moe_chunks == 1 for alt in plan.alternatives
+               for load in alt.rows)
+    same = plan_cluster(model, "1x1xA100-80GB", "adam", 64,
+                        PlanOptions(compute_dtype="float16", moe_chunks=8))
+    assert same.chosen.step_time == plan.chosen.step_time
+
+
+def test_the_planner_chooses_the_chunk_count_of_the_mixed_cluster_row():
+    # bench/planner.py's "8 fast + 8 slow, m6-mini, one NIC per host":
+    # the all-to-all and the expert compute are comparable and the GPU
+    # table has no message latency, so the largest count wins.
+    model = epl_plan.builtin_model("m6-mini", "float16")
+    options = PlanOptions(compute_dtype="float16")
+    name = "data-parallel, balanced by capability"
+    chunked = plan_cluster(model, "2x4xA100-80GB,2x4xT4", "adam", 1024,
+                           options).alternative(name)
+    whole = plan_cluster(model, "2x4xA100-80GB,2x4xT4", "adam", 1024,
+                         PlanOptions(compute_dtype="float16", moe_chunks=1)
+                         ).alternative(name)
+    assert {load.moe_chunks for load in chunked.loads} == {8}
+    assert chunked.step_time < 0.95 * whole.step_time
+    assert "split.moe_chunks=8" in plan_cluster(
+        model, "2x4xA100-80GB,2x4xT4", "adam", 1024, options).explain()
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_bad_moe_chunks_option_names_it(bad):
+    from epl.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"split\.moe_chunks.*int >= 1"):
+        PlanOptions(moe_chunks=bad)

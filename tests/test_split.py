@@ -439,3 +439,23 @@ def test_planner_sees_the_split_part():
     assert [layer.name for layer in split] == ["classifier"]
     assert split[0].split_parameter_bytes == (16 * 4000 + 4000) * 4
     assert split[0].split_flops_per_example >= 3 * 2 * 16 * 4000   # fwd + 2 bwd matmuls
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_oracle_mixture_of_experts_chunked_dispatch(chunks):
+    """split.moe_chunks=3 on epl.layers.moe (tokens [B, E, capacity 3, d]): one
+    dispatch slice and expert matmul per chunk and device, the same training."""
+    _, _, graph = assert_oracle(moe_model(4), {"split.moe_chunks": chunks}, optimizer="adam")
+    chunk_slices = [op for op in graph.get_operations() if op.type == "Slice"
+                    and op.name.startswith("EPL_SPLIT_DISPATCH")]
+    # global batch mode: the dispatch is rebuilt per replica (4) and device (4), per chunk
+    assert len(chunk_slices) == 4 * 4 * chunks
+
+
+def test_moe_chunks_not_dividing_the_capacity_names_the_option():
+    with pytest.raises(epl.PassError) as err:
+        train(moe_model(4), {"split.moe_chunks": 2})
+    message = str(err.value)
+    assert "split.moe_chunks=2 must divide the tokens' capacity axis 2" in message
+    assert "which has 3 entries. Set split.moe_chunks to a divisor of 3 (1: no chunks)" \
+        in message

@@ -13,6 +13,7 @@ under another (as FastNN's moe_ffn.py and EPL's tests/split_test.py do).
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
 import numpy as np
@@ -324,3 +325,48 @@ def test_einsum_of_operands_split_along_different_labels_falls_back_with_a_warni
         "device. Op types with split rules: "), messages
     (record,) = graph_state(graph).splits
     assert record.fallbacks == ["outer/Einsum (type Einsum)"]
+
+
+# ------------------------------------------- chunked expert dispatch --
+
+def _expert_einsums(graph):
+    return [op for op in graph.get_operations() if op.type == "Einsum"
+            and "_epl_shard" in op.node_def.attr and "_epl_split_replaced" not in
+            op.node_def.attr and op.get_attr("equation") == b"EGCM,EMH->EGCH"]
+
+
+@pytest.mark.parametrize("mode", ["replica", "global"])
+def test_chunked_expert_dispatch_matches_unchunked_and_single_device(mode):
+    """split.moe_chunks=2: each device's dispatch is cut into 2 chunks along the
+    capacity axis (CAPACITY 2), one slice and one expert einsum per chunk; the
+    training equals single-device training (the oracle's tolerance) and the
+    unchunked split to float rounding."""
+    import split_oracle
+    from conftest import ATOL, RTOL
+    config = {"cluster.colocate_split_and_replicate": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SplitFallbackWarning)
+        graph = assert_matches_single_device("moe_fastnn", moe_classifier("fastnn"), mode,
+                                             {**config, "split.moe_chunks": 2})
+    einsums = _expert_einsums(graph)
+    assert all("/chunk_" in op.name for op in einsums)
+    assert {re.search(r"EPL_SPLIT_(\d)/chunk_(\d)", op.name).groups() for op in einsums} \
+        == {(str(j), str(c)) for j in range(4) for c in range(2)}
+    rows = split_oracle.ROWS // split_oracle.REPLICAS if mode == "replica" else split_oracle.ROWS
+    whole = split_oracle.train(moe_classifier("fastnn"), rows,
+                               {"io.batch_mode": mode, **config}, 3)
+    chunked = split_oracle.train(moe_classifier("fastnn"), rows,
+                                 {"io.batch_mode": mode, **config, "split.moe_chunks": 2}, 3)
+    for name, value in whole[1].items():
+        np.testing.assert_allclose(chunked[1][name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=RTOL, atol=ATOL)
+
+
+def test_moe_chunks_not_dividing_the_capacity_is_refused():
+    with pytest.raises(epl.PassError) as err:
+        assert_matches_single_device("moe_fastnn", moe_classifier("fastnn"), "replica",
+                                     {"cluster.colocate_split_and_replicate": True,
+                                      "split.moe_chunks": 3})
+    message = str(err.value)
+    assert "split.moe_chunks=3 must divide the tokens' capacity axis 2" in message
+    assert "Set split.moe_chunks to a divisor of 2" in message

@@ -32,6 +32,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from epl.errors import ParallelizeError
 from epl.ir.annotations import REPLICA_ATTR
 from epl.ir.clone import COLOCATION_ATTR, replace_input
 from epl.ir.graph_view import ancestors, descendants
@@ -191,12 +192,22 @@ class SplitBoundary:
 
     def _dispatch(self, copies: list, slicer, device: str, rows_axis: int = 0) -> tf.Tensor:
         """All-to-all: each replica sends the device its slice along slicer.axis (its
-        rows lie along rows_axis)."""
+        rows lie along rows_axis); for one chunk of a chunked dispatch
+        (`slicer.chunk`, split.moe_chunks), only that chunk of its tokens."""
+        chunk = getattr(slicer, "chunk", None)
+        if chunk is not None and chunk[0] == rows_axis:
+            raise ParallelizeError(
+                f"split.moe_chunks cuts the expert dispatch of {slicer.source.name} along "
+                f"its axis {rows_axis}, which holds the examples; the chunks must cut a "
+                "capacity axis of their own (tokens [batch, experts, capacity, d] or "
+                "[experts, groups, capacity, d]). Set split.moe_chunks to 1 for this model.")
         pieces = []
         for k, copy in enumerate(copies):
             begin = [0] * copy.shape.rank
             size = [-1] * copy.shape.rank
             begin[slicer.axis], size[slicer.axis] = slicer.offset, slicer.size
+            if chunk is not None:
+                begin[chunk[0]], size[chunk[0]] = chunk[1], chunk[2]
             with tf.device(copy.device), tf.name_scope("EPL_SPLIT_DISPATCH"):
                 pieces.append(tf.slice(copy, begin, size))
         with tf.device(device), tf.name_scope("EPL_SPLIT_DISPATCH"):

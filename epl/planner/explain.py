@@ -193,6 +193,11 @@ def explain_text(plan: Any) -> str:
         lines.append(f"  {chosen.num_micro_batch} micro-batches per step; "
                      f"earlier stages on devices with more memory")
     lines.append(f"  batch sizes per replica: {_batch_summary(chosen)}")
+    chunks = max((load.moe_chunks for load in chosen.rows), default=1)
+    if chunks > 1:
+        lines.append(f"  expert dispatch in {chunks} chunks, each chunk's "
+                     f"all-to-all overlapping the previous chunk's expert "
+                     f"compute (split.moe_chunks={chunks})")
     lines.append("")
     lines += _table(plan, chosen)
     lines.append("")
@@ -219,7 +224,9 @@ def explain_text(plan: Any) -> str:
     notes.append("sizes in binary units (KiB, MiB, GiB); usable = "
                  f"{plan.options.usable_fraction:.0%} of device memory; "
                  f"compute at {plan.options.efficiency:.0%} of peak; "
-                 "communication not overlapped with compute")
+                 "communication not overlapped with compute"
+                 + (" (but for the chunked expert dispatch)"
+                    if chunks > 1 else ""))
     lines.append("")
     lines += [f"Note: {note}" for note in notes]
     return "\n".join(lines)
@@ -297,6 +304,9 @@ def plan_dict(plan: Any) -> dict:
                    "step_time_s": plan.chosen.step_time,
                    "batch_sizes": [{"batch": size, "replicas": count}
                                    for size, count in plan.chosen.batch_runs],
+                   "moe_chunks": max((row.moe_chunks
+                                      for row in plan.chosen.rows),
+                                     default=1),
                    "rows": [_row_dict(layout, row)
                             for row in plan.chosen.rows]},
         "choice_rule": {"simplicity_margin": CHOICE_TOLERANCE,

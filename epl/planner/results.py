@@ -49,6 +49,10 @@ class PlanOptions:
         num_micro_batch: micro-batches per pipeline step.
         try_checkpointing / try_zero: consider those alternatives.
         compute_dtype: overrides the model's compute dtype (e.g. "float16").
+        moe_chunks: chunks the expert dispatch is cut into (`split.moe_chunks`);
+            None: each alternative takes the count of
+            `epl.planner.step_cost.MOE_CHUNK_CHOICES` its cost model predicts
+            fastest (`DeviceLoad.moe_chunks` says which).
     """
 
     efficiency: float = cm.DEFAULT_EFFICIENCY
@@ -61,8 +65,15 @@ class PlanOptions:
     try_checkpointing: bool = True
     try_zero: bool = True
     compute_dtype: str | None = None
+    moe_chunks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.moe_chunks is not None and (
+                isinstance(self.moe_chunks, bool)
+                or not isinstance(self.moe_chunks, int) or self.moe_chunks < 1):
+            raise ConfigError(f"moe_chunks (split.moe_chunks) must be an int >= 1 "
+                              f"or None (the planner chooses), got "
+                              f"{self.moe_chunks!r}")
         if not 0 < self.usable_fraction <= 1:
             raise ConfigError(f"usable_fraction must be in (0, 1], got "
                               f"{self.usable_fraction!r}")
@@ -98,6 +109,7 @@ class DeviceLoad:
     compute_s: float
     comm_s: float
     wait_s: float = 0.0  # idle at the expert all-to-all barriers
+    moe_chunks: int = 1  # chunks of the expert dispatch (split.moe_chunks)
     host_bytes: float = 0.0
     host_usable: float = math.inf
     shards: int | None = None

@@ -26,6 +26,7 @@ from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
                                  PlanOptions)
 from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
                                    _allreduce_time, _per_example_time,
+                                   exposed_alltoall_time,
                                    merge_op_counts,
                                    _ring_link,
                                    _slowest_link, _totals)
@@ -423,11 +424,16 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
     (`DeviceLoad.wait_s`).  Each layer's work divides among the devices in
     the same proportions, so summing over layers first gives the same
     maxima.
+
+    The dispatch may be cut into chunks (`PlanOptions.moe_chunks`, None:
+    the fastest of `step_cost.MOE_CHUNK_CHOICES`), pipelined with the expert
+    compute it feeds; the communication then counts only the part of the
+    all-to-all not hidden behind the slowest device's expert compute
+    (`step_cost.exposed_alltoall_time`).
     """
     devices = ctx.devices
     bandwidth, _ = _slowest_link(devices)
     allreduce = _allreduce_time(devices, totals.params, bandwidth)
-    alltoall = _alltoall_time(ctx, totals, units, batch)
     dense, expert = [], []
     for device, u, b in zip(devices, units, batch):
         share = u / ctx.model.split_units if ctx.model.split_units else 0.0
@@ -436,6 +442,9 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
                               totals.op_counts))
         expert.append(ctx.time(device, tokens * totals.split_flops,
                                tokens * totals.split_bytes))
+    alltoall, chunks = exposed_alltoall_time(
+        ctx, totals, _alltoall_time(ctx, totals, units, batch), max(expert),
+        ctx.options.moe_chunks)
     barrier = _barriers(ctx, totals)
     loads = []
     for device, u, state, b, d, e in zip(devices, units, states, batch,
@@ -452,7 +461,8 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
             wait_s=wait, host_bytes=state.host,
             host_usable=ctx.options.host_memory_per_device
             if ctx.options.offload else math.inf,
-            shards=u if ctx.model.split_units else None))
+            shards=u if ctx.model.split_units else None,
+            moe_chunks=chunks))
     return loads
 
 

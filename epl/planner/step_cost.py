@@ -49,6 +49,7 @@ class _Totals:
     largest_layer_params: float
     largest_layer_split_params: float
     op_counts: tuple[tuple[str, int], ...] = ()
+    alltoall_layers: int = 0  # split layers with an expert all-to-all
 
 
 def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
@@ -93,7 +94,8 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
         largest_layer_params=max(l.parameter_bytes for l in layers),
         largest_layer_split_params=max(l.split_parameter_bytes
                                        for l in layers),
-        op_counts=merge_op_counts(l.op_counts for l in layers))
+        op_counts=merge_op_counts(l.op_counts for l in layers),
+        alltoall_layers=sum(1 for l in layers if l.alltoall_bytes_per_example))
 
 
 def merge_op_counts(parts) -> tuple[tuple[str, int], ...]:
@@ -253,6 +255,80 @@ def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
         received = (total_batch - host_batch[h]) * per_unit * host_units[h]
         seconds = max(seconds, max(sent, received) / bandwidth)
     return seconds
+
+
+#: Chunk counts (`split.moe_chunks`) the planner tries for the expert
+#: dispatch: powers of two up to 8, the overlap degrees Tutel's adaptive
+#: pipelining searches.
+MOE_CHUNK_CHOICES = (1, 2, 4, 8)
+#: Share of the expert all-to-all's bytes the chunked dispatch pipelines: of
+#: a split layer's four exchanges per step (dispatch and combine, forward and
+#: backward) the dispatch and its gradient, half the bytes.  The combine
+#: stays one exchange (graph_passes/split.py, "chunked dispatch").
+CHUNKED_ALLTOALL_SHARE = 0.5
+#: Share of the expert compute the chunked dispatch overlaps: the op that
+#: reads the dispatched tokens (the first of an expert FFN's two matmuls,
+#: half its FLOPs), forward and backward.
+CHUNKED_EXPERT_SHARE = 0.5
+
+
+def pipelined_time(comm: float, compute: float, chunks: int,
+                   chunk_latency: float = 0.0) -> float:
+    """Seconds of `comm` then `compute` (one exchange feeding one
+    computation) cut into `chunks` equal chunks, the exchange of chunk i+1
+    overlapping the computation of chunk i (Tutel's adaptive pipelining,
+    FasterMoE's smart scheduling): the busier of the two streams runs
+    throughout, and the other one's first (fill) or last (drain) chunk
+    sticks out, max(comm, compute) + min(comm, compute) / chunks; each chunk
+    past the first pays `chunk_latency` (one more exchange's message
+    latency).  chunks = 1: comm + compute, the unchunked exchange."""
+    if chunks <= 1:
+        return comm + compute
+    return max(comm, compute) + min(comm, compute) / chunks + \
+        (chunks - 1) * chunk_latency
+
+
+def alltoall_chunk_latency(ctx: _Context, totals: _Totals) -> float:
+    """Seconds one more dispatch chunk costs per step in message latency:
+    every chunked exchange (each split layer's dispatch, forward, and its
+    gradient, backward) sends one more message to each of the n - 1 other
+    devices, each paying the slowest device's `collective_latency_s` (0 for
+    the GPU table's published figures, which have none)."""
+    n = len(ctx.devices)
+    latency = max(d.profile.collective_latency_s for d in ctx.devices)
+    return 2 * totals.alltoall_layers * (n - 1) * latency
+
+
+def exposed_alltoall_time(ctx: _Context, totals: _Totals, alltoall: float,
+                          expert: float, chunks: int | None = None
+                          ) -> tuple[float, int]:
+    """(seconds of the expert all-to-all not hidden behind expert compute,
+    chunk count) for one step, with the dispatch cut into `chunks` chunks
+    (None: the count of `MOE_CHUNK_CHOICES` with the least exposed time, the
+    smallest on a tie).
+
+    `alltoall`: the step's whole exchange (`_alltoall_time`); `expert`: the
+    slowest device's expert compute, which every device waits for.  The
+    chunked share (`CHUNKED_ALLTOALL_SHARE`, the dispatch) pipelines with the
+    expert op it feeds (`CHUNKED_EXPERT_SHARE` of the compute;
+    `pipelined_time`), the rest of the exchange does not overlap.  Chunks = 1
+    gives `alltoall`: what the unchunked graph runs.  With nothing to
+    exchange (one device) it is (0, 1): chunking cannot help there.
+    """
+    if alltoall <= 0:
+        return 0.0, chunks or 1
+    comm = alltoall * CHUNKED_ALLTOALL_SHARE
+    compute = expert * CHUNKED_EXPERT_SHARE
+    latency = alltoall_chunk_latency(ctx, totals)
+    rest = alltoall - comm
+    choices = (chunks,) if chunks else MOE_CHUNK_CHOICES
+    best = None
+    for count in choices:
+        exposed = alltoall if count <= 1 else \
+            rest + pipelined_time(comm, compute, count, latency) - compute
+        if best is None or exposed < best[0] - 1e-15:
+            best = (exposed, count)
+    return best
 
 
 def _per_example_time(ctx: _Context, device: ClusterDevice,
