@@ -50,7 +50,7 @@ class SkipOnOverflowPass(GraphPass):
 
     name = "skip_on_overflow"
     # the last rewrite of the updates: after the passes that build or group them
-    requires = ("unscale", "zero", "gradient_comm", "apply_groups")
+    requires = ("amp", "replicate", "unscale", "zero", "gradient_comm", "apply_groups")
     off_note = "no dynamic loss scale (amp.level off, or a fixed amp.loss_scale)"
 
     def enabled(self, config) -> bool:

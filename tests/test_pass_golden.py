@@ -158,11 +158,9 @@ def test_recompute_chooses_forward_checkpoints(epl_env):
     assert kept and all(ctx.view.phase_of[t.op].value == "forward" for t in kept)
 
 
-def test_gradients_flow_one_way(epl_env):
-    """Micro-batches and a dynamic loss scale: each replica's updates read the unscaled
-    sum of its micro-batch gradients, and the reduction reads that, never the raw one."""
-    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2, "amp.level": "O1",
-             "amp.loss_scale": "dynamic"})
+def run_pipeline(epl_env, config: dict):
+    """The context after the whole training pipeline ran on the MLP under `config`."""
+    epl_env(config)
     graph = tf.Graph()
     with graph.as_default():
         _build()
@@ -170,6 +168,14 @@ def test_gradients_flow_one_way(epl_env):
                                                          parallel.training_pipeline())
         with internal_autodiff():
             parallel.run_passes(graph, ctx, passes, instruments)
+    return ctx
+
+
+def test_gradients_flow_one_way(epl_env):
+    """Micro-batches and a dynamic loss scale: each replica's updates read the unscaled
+    sum of its micro-batch gradients, and the reduction reads that, never the raw one."""
+    ctx = run_pipeline(epl_env, {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2,
+                                 "amp.level": "O1", "amp.loss_scale": "dynamic"})
     raw = ctx.replication.gradients
     summed = ctx.accumulation.gradients.entries
     unscaled = ctx.unscale.gradients.entries
@@ -184,14 +190,7 @@ def test_gradients_flow_one_way(epl_env):
 def test_a_pass_that_is_off_changes_nothing(epl_env):
     """zero.level off: the zero pass is not enabled; it neither validates nor runs, and
     its dump entry says why (its `off_note`)."""
-    epl_env({"cluster.virtual_devices": 2})
-    graph = tf.Graph()
-    with graph.as_default():
-        _build()
-        ctx, instruments, passes = parallel.pass_context(graph, graph_state(graph),
-                                                         parallel.training_pipeline())
-        with internal_autodiff():
-            parallel.run_passes(graph, ctx, passes, instruments)
+    ctx = run_pipeline(epl_env, {"cluster.virtual_devices": 2})
     assert ctx.passes_off == ["auto_stages", "amp", "recompute", "accumulate", "unscale", "zero",
                               "apply_groups", "skip_on_overflow", "offload"]
     assert "zero" not in ctx.passes_run and ctx.zero is None
