@@ -148,6 +148,13 @@ class DeviceProfile:
             its bytes at intra_node_bandwidth.  Measured for the CPU; 0 for
             the GPU table (NCCL's latency, microseconds, would be measured
             by the same all-reduce fit on the GPUs).
+        replica_sync_s: seconds per step each data-parallel replica beyond
+            the first adds when the replicas' devices share one host's
+            cores (virtual CPU devices): the input reads on device 0 that
+            every replica waits for and the waits at the all-reduce
+            barrier, on top of the replicas' work and the all-reduce's
+            ring.  Measured for the CPU (`_replica_sync`); 0 for the GPU
+            table (a GPU has its own cores: its replicas run side by side).
     """
 
     name: str
@@ -161,6 +168,7 @@ class DeviceProfile:
     op_type_overhead_s: dict[str, float] = dataclasses.field(
         default_factory=dict)
     optimizer_bandwidth: float = 0.0
+    replica_sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -173,7 +181,7 @@ class DeviceProfile:
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      self.op_overhead_s, self.collective_latency_s,
                      tuple(sorted(self.op_type_overhead_s.items())),
-                     self.optimizer_bandwidth))
+                     self.optimizer_bandwidth, self.replica_sync_s))
 
     def flops(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
@@ -670,6 +678,92 @@ def _training_steps(tf: Any, devices: int, width: int = 512):
     return build
 
 
+def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
+                   layers: int = 2):
+    """build(batch): `devices` replicas of a 2-layer `width`-wide MLP's
+    training step (matmuls, their gradients, the SGD apply kernel), one per
+    virtual device.  real=True builds the structure of a data-parallel
+    step: every replica reads its batch from one input pipeline whose
+    iterator sits on device 0 (as EPL places the input), and the replicas'
+    gradients are fused (concat) and all-reduced in one collective (split
+    back) before the apply; real=False the same replicas independently,
+    each on a constant batch of its own (what `_training_steps` times)."""
+    from tensorflow.python.ops import collective_ops
+
+    def build(batch: int):
+        if real:
+            with tf.device("/device:CPU:0"):
+                iterator = tf.compat.v1.data.make_one_shot_iterator(
+                    tf.data.Dataset.from_tensors(
+                        tf.ones([batch, width])).repeat())
+        trains = []
+        for d in range(devices):
+            if real:
+                with tf.device("/device:CPU:0"):
+                    x = iterator.get_next()
+            with tf.device(f"/device:CPU:{d}"):
+                if not real:
+                    x = tf.ones([batch, width])
+                weights = [tf.Variable(tf.ones([width, width]) / width)
+                           for _ in range(layers)]
+                values = [w.read_value() for w in weights]
+                for value in values:
+                    x = tf.nn.relu(tf.matmul(x, value))
+                grads = tf.gradients(tf.reduce_sum(x), values)
+                if real and devices > 1:
+                    flat = collective_ops.all_reduce(
+                        tf.concat([tf.reshape(g, [-1]) for g in grads], 0),
+                        devices, 1, 1, "Add", "Id")
+                    grads = [tf.reshape(g, [width, width])
+                             for g in tf.split(flat, layers)]
+                trains += [tf.raw_ops.ResourceApplyGradientDescent(
+                    var=w.handle, alpha=0.01, delta=g)
+                    for w, g in zip(weights, grads)]
+        return tf.group(*trains)
+    return build
+
+
+#: Per-replica batches of the replica-step fit.
+_REPLICA_BATCHES = (16, 128)
+#: Virtual devices of the replica-step fit: more replicas than a small
+#: host has cores, so that the fit sees them take turns.
+REPLICA_SYNC_DEVICES = 4
+
+
+def _replica_sync(bench: "_Bench", tf: Any, devices: int, latency: float,
+                  link: float, memory_bandwidth: float) -> float:
+    """Seconds per step each replica beyond the first adds to a
+    data-parallel step on `devices` virtual devices, beyond its own work
+    and the all-reduce's ring: `devices` replicas of a real data-parallel
+    step (`_replica_steps`, real=True) against the same replicas run
+    independently (real=False), timed interleaved at two batches.
+
+    The extra fixed time of the real step (the difference of the two
+    lines' intercepts) less the all-reduce the planner predicts for its
+    gradients (`roofline.comm_time` at `link` and `latency`, with the
+    fusion copies at `memory_bandwidth`), per replica beyond the first:
+    the input reads on device 0 that every replica waits for and the
+    replicas' waits at the all-reduce barrier (the virtual devices' replicas
+    do not run side by side: they take turns on the shared cores).  The
+    per-example times (the slopes) of the real and the independent
+    replicas agree within a few percent here (0.95-1.0), so the profile's
+    rates, measured on independent chains, stand for the replicas' work.
+    """
+    from epl.planner import roofline
+    times = bench.times([functools.partial(_replica_steps(tf, devices, r), b)
+                         for r in (False, True) for b in _REPLICA_BATCHES],
+                        devices)
+    span = _REPLICA_BATCHES[1] - _REPLICA_BATCHES[0]
+    free_fixed = times[0] - (times[1] - times[0]) / span * \
+        _REPLICA_BATCHES[0]
+    real_fixed = times[2] - (times[3] - times[2]) / span * \
+        _REPLICA_BATCHES[0]
+    nbytes = 2 * 256 * 256 * 4.0  # the two layers' float32 gradients
+    allreduce = roofline.comm_time(nbytes, link, devices, latency) + \
+        4 * nbytes / memory_bandwidth
+    return max(real_fixed - free_fixed - allreduce, 0.0) / (devices - 1)
+
+
 #: Batches of the training-step fit (points of a line).
 _TRAINING_BATCHES = (64, 192, 320)
 
@@ -725,6 +819,9 @@ def calibrate_cpu_profile() -> DeviceProfile:
       op_overhead_s (their kernels' fixed cost: tens of microseconds).
     - optimizer_bandwidth: the bytes Adam's apply ops move per second, and
       Adam's per-op fixed cost in op_type_overhead_s (`_optimizer_costs`).
+    - replica_sync_s: the median of three rounds of `_replica_sync` on
+      `REPLICA_SYNC_DEVICES` devices (a real data-parallel step's extra
+      fixed time per replica, beyond its work and the all-reduce's ring).
     - intra_node_bandwidth and collective_latency_s: chained all-reduces
       of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
       small one's time over its 2 (n - 1) ring steps is the latency, the
@@ -745,10 +842,16 @@ def calibrate_cpu_profile() -> DeviceProfile:
     latency = small / (2 * (k - 1))
     moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
     link = moved / max(large - small, 1e-12)
+    syncs = [_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency, link,
+                           bandwidth)]
     rates.append(_training_matmul_flops(bench, tf, k))
     optimizer_bandwidth, apply_overhead = _optimizer_costs(bench, tf, k,
                                                            overhead)
+    syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
+                               link, bandwidth))
     rates.append(_training_matmul_flops(bench, tf, k))
+    syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
+                               link, bandwidth))
     # The rate in rounds through the calibration, the median kept: on a
     # shared machine a round samples the load of under a second, which
     # flips between states 2x apart (another job on a core or not).
@@ -765,7 +868,8 @@ def calibrate_cpu_profile() -> DeviceProfile:
         collective_latency_s=latency,
         op_type_overhead_s={**_op_type_overheads(bench, tf, k, overhead),
                             **apply_overhead},
-        optimizer_bandwidth=optimizer_bandwidth)
+        optimizer_bandwidth=optimizer_bandwidth,
+        replica_sync_s=sorted(syncs)[1])
 
 
 def _total_ram_bytes() -> int:
@@ -799,7 +903,8 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 _OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
 #: Fields with a default (0: not modelled) that a new profile may leave out.
 _OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s",
-                    "op_type_overhead_s", "optimizer_bandwidth")
+                    "op_type_overhead_s", "optimizer_bandwidth",
+                    "replica_sync_s")
 _REQUIRED_FIELDS = tuple(f for f in _OVERRIDE_FIELDS
                          if f not in _OPTIONAL_FIELDS)
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -812,6 +917,7 @@ _UNITS = {  # field kind -> unit suffixes and the factor each stands for
     "flops": {"": 1, "FLOPS": 1, "FLOP/S": 1},
 }
 _FIELD_KIND = {"op_overhead_s": "seconds", "collective_latency_s": "seconds",
+               "replica_sync_s": "seconds",
                "op_type_overhead_s": "seconds by op type",
                "optimizer_bandwidth": "rate or zero",
                "memory_bytes": "bytes", "memory_bandwidth": "rate",
@@ -1303,7 +1409,8 @@ def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
     memory bus: FLOP/s, memory, memory bandwidth and the collectives'
     bandwidth divided by n, the per-op overhead multiplied by n (each
     device's ops take turns on the same cores); the collective latency
-    stays."""
+    and the replicas' sync time (`replica_sync_s`, measured per replica on
+    the shared cores) stay."""
     cpu = get_profile(CPU_PROFILE_NAME, overrides) \
         if _find_override(CPU_PROFILE_NAME, overrides) else cpu_profile()
     if n == 1:
@@ -1319,7 +1426,8 @@ def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
         collective_latency_s=cpu.collective_latency_s,
         op_type_overhead_s={t: v * n for t, v in
                             cpu.op_type_overhead_s.items()},
-        optimizer_bandwidth=cpu.optimizer_bandwidth / n)
+        optimizer_bandwidth=cpu.optimizer_bandwidth / n,
+        replica_sync_s=cpu.replica_sync_s)
 
 
 def _device_override(index: int, overrides: Mapping | None):

@@ -133,7 +133,7 @@ def test_override_unknown_field_lists_valid_fields():
         "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
         "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
         "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s', "
-        "'optimizer_bandwidth'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
+        "'optimizer_bandwidth', 'replica_sync_s'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
 
 
 def test_override_new_profile_needs_all_fields_or_a_base():
