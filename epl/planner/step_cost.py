@@ -221,6 +221,21 @@ def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
     return cm.comm_time(nbytes, bandwidth, n, latency) + copies + sync
 
 
+def input_time(devices: Sequence[ClusterDevice], reads: int,
+               examples: int) -> float:
+    """Seconds of one step's input reads: `reads` reads from the input
+    pipeline (one per replica, or per micro-batch of every pipeline, each
+    replica drawing its own batch) of `examples` examples in all.  One
+    iterator serves every device, so the reads run one after the other and
+    every device waits for its own: each read pays the profile's
+    `input_read_s`, each example `input_example_s` (the first device's
+    profile: the iterator sits there, as EPL places the input; both
+    measured by `epl.profiles.calibrate_cpu_profile`, 0 for the GPU table,
+    whose published figures have none)."""
+    profile = devices[0].profile
+    return reads * profile.input_read_s + examples * profile.input_example_s
+
+
 def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
                    batch: Sequence[int]) -> float:
     """Seconds of one step's expert all-to-all (every split layer's dispatch
