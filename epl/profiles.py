@@ -871,13 +871,15 @@ def calibrate_cpu_profile() -> DeviceProfile:
     Needs TensorFlow (imported here, so that planning on the GPU table
     never loads it).  Every TensorFlow figure is a fitted slope -- the
     extra run time of more work in the same session -- so a session's fixed
-    cost does not enter it:
+    cost does not enter it.  The rates are one executor's alone, measured
+    on `RATE_DEVICES` (one) device, as one replica runs; what several
+    replicas on virtual devices reach together is `replica_concurrency`:
 
-    - op_overhead_s: seconds per op of chains of tiny (16-element) Add/Mul
-      ops on `CALIBRATION_DEVICES` virtual devices at once (their executors
-      share the cores, so this is the whole CPU's cost per op).
-    - peak_flops: the float32 rate the matmuls of a data-parallel training
-      step of a 512-wide MLP reach on `CALIBRATION_DEVICES` devices (the
+    - op_overhead_s: seconds per op of a chain of tiny (16-element) Add/Mul
+      ops on one device; the median of three rounds spread through the
+      calibration, as op_type_overhead_s's and the rate's.
+    - peak_flops: the float32 rate the matmuls of a training step of a
+      512-wide MLP reach on one device (the
       extra time of larger batches, the FLOPs counted by the planner's
       cost model; the median of three rounds spread through the
       calibration, since a shared machine's load flips within seconds),
@@ -916,7 +918,8 @@ def calibrate_cpu_profile() -> DeviceProfile:
 
     bench, k, one = _Bench(tf), CALIBRATION_DEVICES, RATE_DEVICES
     rates = [_training_matmul_flops(bench, tf, one)]
-    overhead = bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one)
+    overheads = [bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one)]
+    kernels = [_op_type_overheads(bench, tf, one, overheads[0])]
     bandwidth = _measure_copy_bandwidth()
     small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
                     for b in _COLLECTIVE_BYTES)
@@ -927,14 +930,18 @@ def calibrate_cpu_profile() -> DeviceProfile:
     syncs = [_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency, link,
                            bandwidth, read)]
     rates.append(_training_matmul_flops(bench, tf, one))
-    optimizer_bandwidth, apply_overhead = _optimizer_costs(bench, tf, one,
-                                                           overhead)
+    overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
+    kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
+    optimizer_bandwidth, apply_overhead = _optimizer_costs(
+        bench, tf, one, sorted(overheads)[0])
     syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
                                link, bandwidth, read))
     rates.append(_training_matmul_flops(bench, tf, one))
+    overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
+    kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
     syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
                                link, bandwidth, read))
-    # The rate in rounds through the calibration, the median kept: on a
+    # The rates, per-op costs and replica figures in rounds through the calibration, the median kept: on a
     # shared machine a round samples the load of under a second, which
     # flips between states 2x apart (another job on a core or not).
     fp32 = sorted(rates)[1] / DEFAULT_EFFICIENCY
@@ -946,10 +953,10 @@ def calibrate_cpu_profile() -> DeviceProfile:
         memory_bandwidth=bandwidth,
         intra_node_bandwidth=link,
         inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
-        op_overhead_s=overhead,
+        op_overhead_s=sorted(overheads)[1],
         collective_latency_s=latency,
-        op_type_overhead_s={**_op_type_overheads(bench, tf, one, overhead),
-                            **apply_overhead},
+        op_type_overhead_s={**{t: sorted(k[t] for k in kernels)[1]
+                               for t in kernels[0]}, **apply_overhead},
         optimizer_bandwidth=optimizer_bandwidth,
         replica_sync_s=sorted(sync for sync, _ in syncs)[1],
         replica_concurrency=sorted(c for _, c in syncs)[1],
