@@ -19,7 +19,9 @@ step).  These small steps are dominated by TensorFlow's per-op costs, which
 the cost model takes from the CPU profile's micro-benchmark
 (`epl.profiles.calibrate_cpu_profile`: per-op overhead, by op type for the
 costly kernels, the optimizer's apply rate, the local collectives' latency
-and bandwidth, the matmul rate of a training step); the CPU profile is
+and bandwidth, the matmul rate of a training step, and the sync time each
+data-parallel replica beyond the first adds on the shared cores,
+`replica_sync_s`); the CPU profile is
 measured in this process before each run (the prediction and the
 measurement are medians over the runs), since a shared machine's load
 moves both.  The figures are in the README; the last line

@@ -148,6 +148,33 @@ class DeviceProfile:
             its bytes at intra_node_bandwidth.  Measured for the CPU; 0 for
             the GPU table (NCCL's latency, microseconds, would be measured
             by the same all-reduce fit on the GPUs).
+        replica_sync_s: seconds per step each data-parallel replica beyond
+            the first adds when the replicas' devices share one host's
+            cores (virtual CPU devices): the input reads on device 0 that
+            every replica waits for and the waits at the all-reduce
+            barrier, on top of the replicas' work and the all-reduce's
+            ring.  Measured for the CPU (`_replica_sync`); 0 for the GPU
+            table (a GPU has its own cores: its replicas run side by side).
+        input_read_s: seconds of one read from the input pipeline (one
+            IteratorGetNext of a tf.data pipeline of in-memory slices,
+            shuffled and batched, as the examples build it), beyond its
+            examples; every replica (every micro-batch of every pipeline)
+            reads its own batch per step, and the reads run one after the
+            other on the input's device.  Measured for the CPU
+            (`_input_costs`); 0 for the GPU table.
+        input_example_s: seconds per example such a read takes (the
+            slices gathered into the batch).  Measured for the CPU; 0 for
+            the GPU table.
+        replica_concurrency: how many times one replica's rate the
+            replicas of a data-parallel step on `REPLICA_SYNC_DEVICES`
+            virtual devices reach together (`_replica_sync`): the rates
+            above are one executor's alone; virtual devices get this
+            concurrency's share (`virtual_cpu_profiles`).  1 for the GPU
+            table (unused: a GPU is not split into virtual devices).
+        host_cores: the cores this process may run on
+            (os.sched_getaffinity) when the profile was measured: the
+            concurrency of n replicas is interpolated on the cores they can
+            use (`replica_speedup`).
     """
 
     name: str
@@ -161,6 +188,11 @@ class DeviceProfile:
     op_type_overhead_s: dict[str, float] = dataclasses.field(
         default_factory=dict)
     optimizer_bandwidth: float = 0.0
+    replica_sync_s: float = 0.0
+    input_read_s: float = 0.0
+    input_example_s: float = 0.0
+    replica_concurrency: float = 1.0
+    host_cores: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -173,7 +205,9 @@ class DeviceProfile:
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      self.op_overhead_s, self.collective_latency_s,
                      tuple(sorted(self.op_type_overhead_s.items())),
-                     self.optimizer_bandwidth))
+                     self.optimizer_bandwidth, self.replica_sync_s,
+                     self.input_read_s, self.input_example_s,
+                     self.replica_concurrency, self.host_cores))
 
     def flops(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
@@ -412,8 +446,13 @@ def _builtin(name: str) -> DeviceProfile:
 # The CPU micro-benchmark (calibration).
 # --------------------------------------------------------------------------
 
-#: Virtual CPU devices the multi-device parts of the calibration run on.
+#: Virtual CPU devices the collectives' part of the calibration runs on.
 CALIBRATION_DEVICES = 2
+#: Virtual CPU devices the rates (per-op costs, matmul and optimizer rates)
+#: are measured on: one executor alone, as one replica runs; how many times
+#: that several replicas reach together is measured apart
+#: (`replica_concurrency`).
+RATE_DEVICES = 1
 #: Timed session runs per measurement (the median is kept).
 _CALIBRATION_RUNS = 7
 #: Tiny ops per run in the per-op overhead fit (two points of a line).
@@ -670,6 +709,138 @@ def _training_steps(tf: Any, devices: int, width: int = 512):
     return build
 
 
+def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
+                   layers: int = 2):
+    """build(batch): `devices` replicas of a 2-layer `width`-wide MLP's
+    training step (matmuls, their gradients, the SGD apply kernel), one per
+    virtual device.  real=True builds the structure of a data-parallel
+    step: every replica reads its batch from one input pipeline
+    (`_input_dataset`) whose iterator sits on device 0 (as EPL places the
+    input), and the replicas'
+    gradients are fused (concat) and all-reduced in one collective (split
+    back) before the apply; real=False the same replicas independently,
+    each on a constant batch of its own (what `_training_steps` times)."""
+    from tensorflow.python.ops import collective_ops
+
+    def build(batch: int):
+        if real:
+            with tf.device("/device:CPU:0"):
+                iterator = tf.compat.v1.data.make_one_shot_iterator(
+                    _input_dataset(tf, batch, width))
+        trains = []
+        for d in range(devices):
+            if real:
+                with tf.device("/device:CPU:0"):
+                    x, _ = iterator.get_next()
+            with tf.device(f"/device:CPU:{d}"):
+                if not real:
+                    x = tf.ones([batch, width])
+                weights = [tf.Variable(tf.ones([width, width]) / width)
+                           for _ in range(layers)]
+                values = [w.read_value() for w in weights]
+                for value in values:
+                    x = tf.nn.relu(tf.matmul(x, value))
+                grads = tf.gradients(tf.reduce_sum(x), values)
+                if real and devices > 1:
+                    flat = collective_ops.all_reduce(
+                        tf.concat([tf.reshape(g, [-1]) for g in grads], 0),
+                        devices, 1, 1, "Add", "Id")
+                    grads = [tf.reshape(g, [width, width])
+                             for g in tf.split(flat, layers)]
+                trains += [tf.raw_ops.ResourceApplyGradientDescent(
+                    var=w.handle, alpha=0.01, delta=g)
+                    for w, g in zip(weights, grads)]
+        return tf.group(*trains)
+    return build
+
+
+#: Per-replica batches of the replica-step fit.
+_REPLICA_BATCHES = (16, 128)
+#: Virtual devices of the replica-step fit: more replicas than a small
+#: host has cores, so that the fit sees them take turns.
+REPLICA_SYNC_DEVICES = 4
+
+
+#: Examples held by the input pipeline of the input and replica fits.
+_INPUT_EXAMPLES = 4096
+#: Batches of the input-read fit.
+_INPUT_BATCHES = (8, 256)
+
+
+def _input_dataset(tf: Any, batch: int, width: int) -> Any:
+    """The input pipeline the examples build: in-memory slices (float
+    features of `width`, an int64 label), shuffled over all of them,
+    repeated and batched."""
+    import numpy as np
+    rng = np.random.RandomState(0)
+    features = rng.randn(_INPUT_EXAMPLES, width).astype(np.float32)
+    labels = rng.randint(0, 10, _INPUT_EXAMPLES).astype(np.int64)
+    dataset = tf.data.Dataset.from_tensor_slices((features, labels))
+    return dataset.shuffle(_INPUT_EXAMPLES, seed=0).repeat().batch(
+        batch, drop_remainder=True)
+
+
+def _input_costs(bench: "_Bench", tf: Any) -> tuple[float, float]:
+    """(seconds per read, seconds per example) of reads from
+    `_input_dataset` (64 features): the line of a session run's time over
+    the batch read, less the time of a run of nothing (a NoOp: the
+    session's own fixed cost), timed interleaved."""
+    def reads(batch: int):
+        with tf.device("/device:CPU:0"):
+            return tf.group(*tf.compat.v1.data.make_one_shot_iterator(
+                _input_dataset(tf, batch, 64)).get_next())
+    times = bench.times([tf.no_op] + [functools.partial(reads, b)
+                                      for b in _INPUT_BATCHES], 1)
+    intercept, slope = _fit_line(list(zip(_INPUT_BATCHES, times[1:])))
+    return max(intercept - times[0], 0.0), max(slope, 0.0)
+
+
+def _replica_sync(bench: "_Bench", tf: Any, devices: int, latency: float,
+                  link: float, memory_bandwidth: float, read: float
+                  ) -> tuple[float, float]:
+    """(sync seconds, concurrency) of data-parallel replicas on `devices`
+    virtual devices.
+
+    Sync seconds: per step, what each replica beyond the first adds to a
+    data-parallel step on `devices` virtual devices, beyond its own work
+    and the all-reduce's ring: `devices` replicas of a real data-parallel
+    step (`_replica_steps`, real=True) against the same replicas run
+    independently (real=False), timed interleaved at two batches.
+
+    The extra fixed time of the real step (the difference of the two
+    lines' intercepts) less the all-reduce the planner predicts for its
+    gradients (`roofline.comm_time` at `link` and `latency`, with the
+    fusion copies at `memory_bandwidth`) and less the replicas' input
+    reads (`read` seconds each, `input_read_s`), per replica beyond the
+    first: the replicas' waits at the all-reduce barrier.
+
+    Concurrency: how many times one replica's rate the `devices` replicas
+    of the real step reach together, `devices` times the per-example time
+    (the slope over the batch) of one replica alone (the same step on one
+    device) over the per-example time of the `devices` replicas (1: they
+    take turns on the shared cores; up to the host's cores where they ran
+    side by side).
+    """
+    from epl.planner import roofline
+    steps = [_replica_steps(tf, devices, False),
+             _replica_steps(tf, devices, True), _replica_steps(tf, 1, True)]
+    times = bench.times([functools.partial(step, b) for step in steps
+                         for b in _REPLICA_BATCHES], devices)
+    span = _REPLICA_BATCHES[1] - _REPLICA_BATCHES[0]
+    free_fixed = times[0] - (times[1] - times[0]) / span * \
+        _REPLICA_BATCHES[0]
+    real_fixed = times[2] - (times[3] - times[2]) / span * \
+        _REPLICA_BATCHES[0]
+    nbytes = 2 * 256 * 256 * 4.0  # the two layers' float32 gradients
+    allreduce = roofline.comm_time(nbytes, link, devices, latency) + \
+        4 * nbytes / memory_bandwidth
+    sync = max(real_fixed - free_fixed - allreduce - devices * read, 0.0) \
+        / (devices - 1)
+    concurrency = devices * max(times[5] - times[4], 1e-12) / \
+        max(times[3] - times[2], 1e-12)
+    return sync, min(max(concurrency, 1e-3), float(devices))
+
+
 #: Batches of the training-step fit (points of a line).
 _TRAINING_BATCHES = (64, 192, 320)
 
@@ -700,13 +871,15 @@ def calibrate_cpu_profile() -> DeviceProfile:
     Needs TensorFlow (imported here, so that planning on the GPU table
     never loads it).  Every TensorFlow figure is a fitted slope -- the
     extra run time of more work in the same session -- so a session's fixed
-    cost does not enter it:
+    cost does not enter it.  The rates are one executor's alone, measured
+    on `RATE_DEVICES` (one) device, as one replica runs; what several
+    replicas on virtual devices reach together is `replica_concurrency`:
 
-    - op_overhead_s: seconds per op of chains of tiny (16-element) Add/Mul
-      ops on `CALIBRATION_DEVICES` virtual devices at once (their executors
-      share the cores, so this is the whole CPU's cost per op).
-    - peak_flops: the float32 rate the matmuls of a data-parallel training
-      step of a 512-wide MLP reach on `CALIBRATION_DEVICES` devices (the
+    - op_overhead_s: seconds per op of a chain of tiny (16-element) Add/Mul
+      ops on one device; the median of three rounds spread through the
+      calibration, as op_type_overhead_s's and the rate's.
+    - peak_flops: the float32 rate the matmuls of a training step of a
+      512-wide MLP reach on one device (the
       extra time of larger batches, the FLOPs counted by the planner's
       cost model; the median of three rounds spread through the
       calibration, since a shared machine's load flips within seconds),
@@ -725,6 +898,13 @@ def calibrate_cpu_profile() -> DeviceProfile:
       op_overhead_s (their kernels' fixed cost: tens of microseconds).
     - optimizer_bandwidth: the bytes Adam's apply ops move per second, and
       Adam's per-op fixed cost in op_type_overhead_s (`_optimizer_costs`).
+    - replica_sync_s: the median of three rounds of `_replica_sync` on
+      `REPLICA_SYNC_DEVICES` devices (a real data-parallel step's extra
+      fixed time per replica, beyond its work, its input read and the
+      all-reduce's ring).
+    - input_read_s and input_example_s: reads of a shuffled, batched
+      pipeline of in-memory slices (`_input_costs`), the session's own
+      fixed cost (a NoOp's run) taken off.
     - intra_node_bandwidth and collective_latency_s: chained all-reduces
       of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
       small one's time over its 2 (n - 1) ring steps is the latency, the
@@ -736,20 +916,32 @@ def calibrate_cpu_profile() -> DeviceProfile:
     """
     import tensorflow as tf
 
-    bench, k = _Bench(tf), CALIBRATION_DEVICES
-    rates = [_training_matmul_flops(bench, tf, k)]
-    overhead = bench.slope(_chains(tf, [16], k), _OVERHEAD_OPS, k)
+    bench, k, one = _Bench(tf), CALIBRATION_DEVICES, RATE_DEVICES
+    rates = [_training_matmul_flops(bench, tf, one)]
+    overheads = [bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one)]
+    kernels = [_op_type_overheads(bench, tf, one, overheads[0])]
     bandwidth = _measure_copy_bandwidth()
     small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
                     for b in _COLLECTIVE_BYTES)
     latency = small / (2 * (k - 1))
     moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
     link = moved / max(large - small, 1e-12)
-    rates.append(_training_matmul_flops(bench, tf, k))
-    optimizer_bandwidth, apply_overhead = _optimizer_costs(bench, tf, k,
-                                                           overhead)
-    rates.append(_training_matmul_flops(bench, tf, k))
-    # The rate in rounds through the calibration, the median kept: on a
+    read, per_example = _input_costs(bench, tf)
+    syncs = [_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency, link,
+                           bandwidth, read)]
+    rates.append(_training_matmul_flops(bench, tf, one))
+    overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
+    kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
+    optimizer_bandwidth, apply_overhead = _optimizer_costs(
+        bench, tf, one, sorted(overheads)[0])
+    syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
+                               link, bandwidth, read))
+    rates.append(_training_matmul_flops(bench, tf, one))
+    overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
+    kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
+    syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
+                               link, bandwidth, read))
+    # The rates, per-op costs and replica figures in rounds through the calibration, the median kept: on a
     # shared machine a round samples the load of under a second, which
     # flips between states 2x apart (another job on a core or not).
     fp32 = sorted(rates)[1] / DEFAULT_EFFICIENCY
@@ -761,11 +953,15 @@ def calibrate_cpu_profile() -> DeviceProfile:
         memory_bandwidth=bandwidth,
         intra_node_bandwidth=link,
         inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
-        op_overhead_s=overhead,
+        op_overhead_s=sorted(overheads)[1],
         collective_latency_s=latency,
-        op_type_overhead_s={**_op_type_overheads(bench, tf, k, overhead),
-                            **apply_overhead},
-        optimizer_bandwidth=optimizer_bandwidth)
+        op_type_overhead_s={**{t: sorted(k[t] for k in kernels)[1]
+                               for t in kernels[0]}, **apply_overhead},
+        optimizer_bandwidth=optimizer_bandwidth,
+        replica_sync_s=sorted(sync for sync, _ in syncs)[1],
+        replica_concurrency=sorted(c for _, c in syncs)[1],
+        host_cores=_host_cores(), input_read_s=read,
+        input_example_s=per_example)
 
 
 def _total_ram_bytes() -> int:
@@ -799,7 +995,9 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 _OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
 #: Fields with a default (0: not modelled) that a new profile may leave out.
 _OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s",
-                    "op_type_overhead_s", "optimizer_bandwidth")
+                    "op_type_overhead_s", "optimizer_bandwidth",
+                    "replica_sync_s", "input_read_s", "input_example_s",
+                    "replica_concurrency", "host_cores")
 _REQUIRED_FIELDS = tuple(f for f in _OVERRIDE_FIELDS
                          if f not in _OPTIONAL_FIELDS)
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -812,6 +1010,9 @@ _UNITS = {  # field kind -> unit suffixes and the factor each stands for
     "flops": {"": 1, "FLOPS": 1, "FLOP/S": 1},
 }
 _FIELD_KIND = {"op_overhead_s": "seconds", "collective_latency_s": "seconds",
+               "replica_sync_s": "seconds", "input_read_s": "seconds",
+               "input_example_s": "seconds",
+               "replica_concurrency": "number", "host_cores": "count",
                "op_type_overhead_s": "seconds by op type",
                "optimizer_bandwidth": "rate or zero",
                "memory_bytes": "bytes", "memory_bandwidth": "rate",
@@ -908,6 +1109,15 @@ def _validated_fields(fields: Mapping[str, Any], context: str) -> dict:
                 value, bool) else parse_quantity(value, "rate", where)
         elif _FIELD_KIND[field] == "seconds":
             values[field] = parse_seconds(value, where)
+        elif _FIELD_KIND[field] in ("number", "count"):
+            if isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not 0 < value < float("inf") or (
+                    _FIELD_KIND[field] == "count" and value != int(value)):
+                raise ConfigError(f"{where}: expected a positive "
+                                  f"{'whole ' if _FIELD_KIND[field] == 'count' else ''}"
+                                  f"number, got {value!r}")
+            values[field] = int(value) if _FIELD_KIND[field] == "count" \
+                else float(value)
         else:
             values[field] = parse_quantity(value, _FIELD_KIND[field], where)
     return values
@@ -1298,28 +1508,61 @@ def parse_cluster(spec: str, overrides: Mapping[str, Any] | None = None
 # --------------------------------------------------------------------------
 
 def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
-    """The "CPU" profile (the configured one, else the measured one) split
-    evenly among `n` virtual devices, which share its cores, memory and
-    memory bus: FLOP/s, memory, memory bandwidth and the collectives'
-    bandwidth divided by n, the per-op overhead multiplied by n (each
-    device's ops take turns on the same cores); the collective latency
-    stays."""
+    """The "CPU" profile (the configured one, else the measured one) shared
+    among `n` virtual devices, which share its cores, memory and memory
+    bus.  The profile's rates are one executor's alone (measured on one
+    device); the n replicas together reach `replica_speedup` times that,
+    so each device gets speedup / n of it: FLOP/s, memory bandwidth and the
+    optimizer's rate times speedup / n, the per-op overheads times
+    n / speedup.  Memory and the collectives' bandwidth (measured across
+    devices, the whole host's) are divided by n; the collective latency,
+    the replicas' sync time (`replica_sync_s`, measured per replica on the
+    shared cores) and the input reads' costs (one input pipeline serves
+    every device) stay."""
     cpu = get_profile(CPU_PROFILE_NAME, overrides) \
         if _find_override(CPU_PROFILE_NAME, overrides) else cpu_profile()
     if n == 1:
         return cpu
-    return DeviceProfile(
+    share = replica_speedup(cpu, n) / n
+    return dataclasses.replace(
+        cpu,
         name=f"{cpu.name}/{n}",
-        peak_flops={k: v / n for k, v in cpu.peak_flops.items()},
+        peak_flops={k: v * share for k, v in cpu.peak_flops.items()},
         memory_bytes=cpu.memory_bytes / n,
-        memory_bandwidth=cpu.memory_bandwidth / n,
+        memory_bandwidth=cpu.memory_bandwidth * share,
         intra_node_bandwidth=cpu.intra_node_bandwidth / n,
         inter_node_bandwidth=cpu.inter_node_bandwidth,
-        op_overhead_s=cpu.op_overhead_s * n,
+        op_overhead_s=cpu.op_overhead_s / share,
         collective_latency_s=cpu.collective_latency_s,
-        op_type_overhead_s={t: v * n for t, v in
+        op_type_overhead_s={t: v / share for t, v in
                             cpu.op_type_overhead_s.items()},
-        optimizer_bandwidth=cpu.optimizer_bandwidth / n)
+        optimizer_bandwidth=cpu.optimizer_bandwidth * share)
+
+
+def replica_speedup(cpu: DeviceProfile, n: int) -> float:
+    """How many times one replica's rate `n` replicas on virtual devices of
+    the host `cpu` describes reach together: 1 for one; for more, linear in
+    the cores they can use, min(n, host_cores), through 1 at one core and
+    the measured `replica_concurrency` at the cores the measurement's
+    `REPLICA_SYNC_DEVICES` replicas could use (each further core adding as
+    much as the measured ones did on average), never above the cores used;
+    more replicas than cores take turns, so it holds past them."""
+    if n <= 1:
+        return 1.0
+    used = min(n, cpu.host_cores)
+    measured = min(REPLICA_SYNC_DEVICES, cpu.host_cores)
+    if measured <= 1:  # measured on one core: nothing to interpolate on
+        return cpu.replica_concurrency
+    return min(1.0 + (cpu.replica_concurrency - 1.0) * (used - 1)
+               / (measured - 1), float(used))
+
+
+def _host_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _device_override(index: int, overrides: Mapping | None):

@@ -421,6 +421,48 @@ def test_step_time_adds_op_overhead_and_collective_latency():
                                   rel=1e-6)
 
 
+def test_replica_sync_adds_per_replica_beyond_the_first():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import plan_cluster
+    from epl.profiles import HostSpec, virtual_cpu_profiles
+    layer = LayerSpec("l", flops_per_example=1e6, parameter_bytes=1e6)
+    model = ModelSpec("m", (layer,), optimizer="sgd")
+    name = "data-parallel, even split"
+    cpu = {"CPU": {"base": "A10", "replica_sync_s": "300us"}}
+    steps = {}
+    for sync in ("0us", "300us"):
+        cpu["CPU"]["replica_sync_s"] = sync
+        profile = virtual_cpu_profiles(4, cpu)[0]
+        assert profile.replica_sync_s == pytest.approx(float(sync[:-2]) * 1e-6)
+        steps[sync] = plan_cluster(model, [HostSpec(profile, 4)],
+                                   global_batch=8).alternative(name).step_time
+    # 3 replicas beyond the first, 300 us each.
+    assert steps["300us"] - steps["0us"] == pytest.approx(3 * 3e-4, rel=1e-6)
+    # One device has no replicas to wait for; the GPU table has no sync.
+    assert get_profile("A10").replica_sync_s == 0.0
+    one = virtual_cpu_profiles(1, cpu)[0]
+    solo = plan_cluster(model, [HostSpec(one, 1)], global_batch=8)
+    assert solo.alternative(name).rows[0].comm_s == 0.0
+
+
+def test_input_reads_add_per_replica_and_per_example():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import plan_cluster
+    from epl.profiles import HostSpec, virtual_cpu_profiles
+    layer = LayerSpec("l", flops_per_example=1e6, parameter_bytes=1e6)
+    model = ModelSpec("m", (layer,), optimizer="sgd")
+    name = "data-parallel, even split"
+    steps = {}
+    for read, per_example in (("0us", "0us"), ("1ms", "1us")):
+        cpu = {"CPU": {"base": "A10", "input_read_s": read,
+                       "input_example_s": per_example}}
+        profile = virtual_cpu_profiles(4, cpu)[0]
+        steps[read] = plan_cluster(model, [HostSpec(profile, 4)],
+                                   global_batch=8).alternative(name).step_time
+    # 4 replicas read 1 ms each, 8 examples 1 us each.
+    assert steps["1ms"] - steps["0us"] == pytest.approx(4e-3 + 8e-6, rel=1e-6)
+
+
 def test_op_overhead_time_by_type():
     profile = get_profile("T", {"T": {"base": "A10", "op_overhead_s": 1e-6,
                                       "op_type_overhead_s": {"Einsum": 5e-6}}})

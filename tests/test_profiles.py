@@ -133,7 +133,8 @@ def test_override_unknown_field_lists_valid_fields():
         "['memory']; valid fields are ['peak_flops', 'memory_bytes', "
         "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
         "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s', "
-        "'optimizer_bandwidth'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
+        "'optimizer_bandwidth', 'replica_sync_s', 'input_read_s', "
+        "'input_example_s', 'replica_concurrency', 'host_cores'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
 
 
 def test_override_new_profile_needs_all_fields_or_a_base():
@@ -369,7 +370,8 @@ def test_virtual_cpu_profiles_default_share_the_measured_cpu():
     devices = virtual_cpu_profiles(2)
     cpu = profiles.cpu_profile()
     assert [d.name for d in devices] == ["CPU/2", "CPU/2"]
-    assert devices[0].flops() == pytest.approx(cpu.flops() / 2)
+    assert devices[0].flops() == pytest.approx(
+        cpu.flops() * profiles.replica_speedup(cpu, 2) / 2)
     assert devices[0].memory_bytes == pytest.approx(cpu.memory_bytes / 2)
     assert virtual_cpu_profiles(1) == [cpu]
     with pytest.raises(ClusterError, match="at least one virtual CPU"):
@@ -409,6 +411,30 @@ def test_cpu_share_divides_rates_and_multiplies_op_overhead():
     assert four.collective_latency_s == pytest.approx(3e-5)
 
 
+def test_cpu_share_follows_the_measured_replica_concurrency():
+    # Measured: 4 replicas on a 2-core host reach 1.6 x one replica alone.
+    cpu = {"CPU": {**FIXED_CPU["CPU"], "op_overhead_s": "2us",
+                   "replica_concurrency": 1.6, "host_cores": 2}}
+    two, four = (virtual_cpu_profiles(n, cpu)[0] for n in (2, 4))
+    base = get_profile("CPU", cpu)
+    assert two.flops() == pytest.approx(base.flops() * 1.6 / 2)
+    assert four.flops() == pytest.approx(base.flops() * 1.6 / 4)
+    assert four.op_overhead_s == pytest.approx(2e-6 * 4 / 1.6)
+    assert four.memory_bandwidth == pytest.approx(base.memory_bandwidth * 0.4)
+    # On 8 cores, measured with 4 replicas at 3 x: 2 replicas use 2 cores,
+    # linear from 1 (one core) through 3 (four cores), held past the cores.
+    wide = get_profile("CPU", {"CPU": {**FIXED_CPU["CPU"],
+                                       "replica_concurrency": 3.0,
+                                       "host_cores": 8}})
+    assert profiles.replica_speedup(wide, 1) == 1.0
+    assert profiles.replica_speedup(wide, 2) == pytest.approx(1 + 2 / 3)
+    assert profiles.replica_speedup(wide, 4) == pytest.approx(3.0)
+    assert profiles.replica_speedup(wide, 8) == pytest.approx(1 + 2 * 7 / 3)
+    assert profiles.replica_speedup(wide, 16) == pytest.approx(1 + 2 * 7 / 3)
+    with pytest.raises(ConfigError, match="whole number"):
+        get_profile("CPU", {"CPU": {**FIXED_CPU["CPU"], "host_cores": 1.5}})
+
+
 def test_gpu_profiles_have_no_overhead_terms():
     for name in profiles.known_profiles():
         if name != profiles.CPU_PROFILE_NAME:
@@ -416,6 +442,9 @@ def test_gpu_profiles_have_no_overhead_terms():
             assert get_profile(name).collective_latency_s == 0.0
             assert get_profile(name).op_type_overhead_s == {}
             assert get_profile(name).optimizer_bandwidth == 0.0
+            assert get_profile(name).replica_sync_s == 0.0
+            assert get_profile(name).input_read_s == 0.0
+            assert get_profile(name).input_example_s == 0.0
 
 
 def test_new_profile_may_leave_out_the_overhead_fields():

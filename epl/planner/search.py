@@ -26,7 +26,7 @@ from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
                                  PlanOptions)
 from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
                                    _allreduce_time, _per_example_time,
-                                   exposed_alltoall_time,
+                                   exposed_alltoall_time, input_time,
                                    merge_op_counts,
                                    _ring_link,
                                    _slowest_link, _totals)
@@ -266,7 +266,8 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
         parts = balance.grouped_proportional_shares(
             ctx.global_batch, [1.0] * len(reps), members)
     comm = _allreduce_time(reps, totals.params, _ring_link(ctx), n) + \
-        state.offload_traffic / ctx.options.host_link_bandwidth
+        state.offload_traffic / ctx.options.host_link_bandwidth + \
+        input_time(reps, n, ctx.global_batch)
     rows = []
     for device, group in zip(reps, parts):
         for batch, runs in group:
@@ -433,7 +434,8 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
     """
     devices = ctx.devices
     bandwidth, _ = _slowest_link(devices)
-    allreduce = _allreduce_time(devices, totals.params, bandwidth)
+    allreduce = _allreduce_time(devices, totals.params, bandwidth) + \
+        input_time(devices, len(devices), ctx.global_batch)
     dense, expert = [], []
     for device, u, b in zip(devices, units, batch):
         share = u / ctx.model.split_units if ctx.model.split_units else 0.0
@@ -621,6 +623,8 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
     """Per-device loads of a pipeline plan, in device index order."""
     micro, stages = ctx.options.num_micro_batch, len(groups[0])
     inflight = _stage_inflight(stages, micro)
+    reads = input_time([groups[0][0]], len(groups) * micro,
+                       ctx.global_batch)
     loads = []
     for s in range(stages):
         members = [group[s] for group in groups]
@@ -635,7 +639,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
                       for d, (x, y) in zip(group, cut.bounds)]
             compute = (micro + stages - 1) * max(per_mb) + ctx.update_time(
                 group[s], part.params)
-            comm = _allreduce_time(members, part.params, bandwidth)
+            comm = _allreduce_time(members, part.params, bandwidth) + reads
             host = part.params * (2 + ctx.slots) if ctx.options.offload \
                 else 0.0
             if ctx.options.offload:

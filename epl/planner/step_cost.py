@@ -202,17 +202,38 @@ def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
     i.e. was calibrated) and reduces it in one collective, whose ring steps
     each pay the slowest device's `collective_latency_s`.  `n`: devices in
     the ring, default len(devices) (`devices` may be one representative
-    per class of identical devices).  Zero on one device."""
+    per class of identical devices).  Devices that share a host's cores
+    (virtual CPU devices) add, per replica beyond the first, the slowest
+    device's `replica_sync_s`: the input reads on device 0 and the waits at
+    the all-reduce barrier of replicas taking turns on the same cores,
+    measured by `epl.profiles.calibrate_cpu_profile` (0 for the GPU table:
+    a GPU's replicas run side by side).  Zero on one device."""
     n = len(devices) if n is None else n
     if n <= 1 or nbytes <= 0:
         return 0.0
     latency = max(d.profile.collective_latency_s for d in devices)
+    sync = (n - 1) * max(d.profile.replica_sync_s for d in devices)
     # The copies are counted with the latency, for calibrated profiles
     # only: the GPU table's published figures have neither (a GPU
     # calibration would add both).
     copies = 4 * nbytes / min(d.profile.memory_bandwidth for d in devices) \
         if latency > 0 else 0.0
-    return cm.comm_time(nbytes, bandwidth, n, latency) + copies
+    return cm.comm_time(nbytes, bandwidth, n, latency) + copies + sync
+
+
+def input_time(devices: Sequence[ClusterDevice], reads: int,
+               examples: int) -> float:
+    """Seconds of one step's input reads: `reads` reads from the input
+    pipeline (one per replica, or per micro-batch of every pipeline, each
+    replica drawing its own batch) of `examples` examples in all.  One
+    iterator serves every device, so the reads run one after the other and
+    every device waits for its own: each read pays the profile's
+    `input_read_s`, each example `input_example_s` (the first device's
+    profile: the iterator sits there, as EPL places the input; both
+    measured by `epl.profiles.calibrate_cpu_profile`, 0 for the GPU table,
+    whose published figures have none)."""
+    profile = devices[0].profile
+    return reads * profile.input_read_s + examples * profile.input_example_s
 
 
 def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
