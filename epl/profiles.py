@@ -455,6 +455,8 @@ CALIBRATION_DEVICES = 2
 RATE_DEVICES = 1
 #: Timed session runs per measurement (the median is kept).
 _CALIBRATION_RUNS = 7
+#: Rounds of the figures measured more than once (the median is kept).
+_CALIBRATION_ROUNDS = 3
 #: Tiny ops per run in the per-op overhead fit (two points of a line).
 _OVERHEAD_OPS = (400, 3200)
 #: Bytes all-reduced per collective in the collective fit.
@@ -684,31 +686,6 @@ def _measure_copy_bandwidth() -> float:
                       _COPY_SECONDS)
 
 
-def _training_steps(tf: Any, devices: int, width: int = 512):
-    """build(batch): one data-parallel training step of a 2-layer
-    `width`-wide MLP (matmuls, their gradients, the SGD apply kernel) per
-    device.  Gradients are taken with respect to the variables' values and
-    applied by the raw kernel, not through an optimizer or tf.gradients of
-    variables, so that EPL's hooks see no training step in the graph (its
-    session would rewrite it)."""
-    def build(batch: int):
-        trains = []
-        for d in range(devices):
-            with tf.device(f"/device:CPU:{d}"):
-                x = tf.ones([batch, width])
-                weights = [tf.Variable(tf.ones([width, width]) / width)
-                           for _ in range(2)]
-                values = [w.read_value() for w in weights]
-                for value in values:
-                    x = tf.nn.relu(tf.matmul(x, value))
-                grads = tf.gradients(tf.reduce_sum(x), values)
-                trains += [tf.raw_ops.ResourceApplyGradientDescent(
-                    var=w.handle, alpha=0.01, delta=g)
-                    for w, g in zip(weights, grads)]
-        return tf.group(*trains)
-    return build
-
-
 def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
                    layers: int = 2):
     """build(batch): `devices` replicas of a 2-layer `width`-wide MLP's
@@ -719,7 +696,8 @@ def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
     input), and the replicas'
     gradients are fused (concat) and all-reduced in one collective (split
     back) before the apply; real=False the same replicas independently,
-    each on a constant batch of its own (what `_training_steps` times)."""
+    each on a constant batch of its own (what `_training_matmul_flops`
+    times, 512 wide)."""
     from tensorflow.python.ops import collective_ops
 
     def build(batch: int):
@@ -854,7 +832,7 @@ def _training_matmul_flops(bench: "_Bench", tf: Any, devices: int) -> float:
     elementwise ops), so that the rate is what the planner's FLOP counts
     run at."""
     from epl.planner import cost_model
-    build = _training_steps(tf, devices)
+    build = _replica_steps(tf, devices, real=False, width=512)
     flops = []
     for batch in _TRAINING_BATCHES:
         with tf.Graph().as_default() as graph:
@@ -917,33 +895,29 @@ def calibrate_cpu_profile() -> DeviceProfile:
     import tensorflow as tf
 
     bench, k, one = _Bench(tf), CALIBRATION_DEVICES, RATE_DEVICES
-    rates = [_training_matmul_flops(bench, tf, one)]
-    overheads = [bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one)]
-    kernels = [_op_type_overheads(bench, tf, one, overheads[0])]
-    bandwidth = _measure_copy_bandwidth()
-    small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
-                    for b in _COLLECTIVE_BYTES)
-    latency = small / (2 * (k - 1))
-    moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
-    link = moved / max(large - small, 1e-12)
-    read, per_example = _input_costs(bench, tf)
-    syncs = [_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency, link,
-                           bandwidth, read)]
-    rates.append(_training_matmul_flops(bench, tf, one))
-    overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
-    kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
-    optimizer_bandwidth, apply_overhead = _optimizer_costs(
-        bench, tf, one, sorted(overheads)[0])
-    syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
-                               link, bandwidth, read))
-    rates.append(_training_matmul_flops(bench, tf, one))
-    overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
-    kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
-    syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
-                               link, bandwidth, read))
-    # The rates, per-op costs and replica figures in rounds through the calibration, the median kept: on a
-    # shared machine a round samples the load of under a second, which
-    # flips between states 2x apart (another job on a core or not).
+    # The rates, per-op costs and replica figures are measured in rounds
+    # spread through the calibration, the median kept: on a shared machine a
+    # round samples the load of under a second, which flips between states
+    # 2x apart (another job on a core or not).  The figures measured once
+    # sit between the rounds.
+    rates, overheads, kernels, syncs = [], [], [], []
+    for round_ in range(_CALIBRATION_ROUNDS):
+        rates.append(_training_matmul_flops(bench, tf, one))
+        overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
+        kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
+        if round_ == 0:
+            bandwidth = _measure_copy_bandwidth()
+            small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
+                            for b in _COLLECTIVE_BYTES)
+            latency = small / (2 * (k - 1))
+            moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
+            link = moved / max(large - small, 1e-12)
+            read, per_example = _input_costs(bench, tf)
+        elif round_ == 1:
+            optimizer_bandwidth, apply_overhead = _optimizer_costs(
+                bench, tf, one, min(overheads))
+        syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
+                                   link, bandwidth, read))
     fp32 = sorted(rates)[1] / DEFAULT_EFFICIENCY
     return DeviceProfile(
         name=CPU_PROFILE_NAME,

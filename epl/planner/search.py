@@ -630,13 +630,11 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
         members = [group[s] for group in groups]
         bandwidth, _ = _slowest_link(members)
         for r, (group, cut) in enumerate(zip(groups, cuts)):
-            a, b = cut.bounds[s]
-            part = _sum_totals(per_layer[a:b])
+            stage_totals = [_sum_totals(per_layer[x:y]) for x, y in cut.bounds]
+            part = stage_totals[s]
             mb = batch[r] / micro
-            per_mb = [ctx.time(d, _sum_totals(per_layer[x:y]).flops * mb,
-                               _sum_totals(per_layer[x:y]).bytes * mb,
-                               _sum_totals(per_layer[x:y]).op_counts)
-                      for d, (x, y) in zip(group, cut.bounds)]
+            per_mb = [ctx.time(d, t.flops * mb, t.bytes * mb, t.op_counts)
+                      for d, t in zip(group, stage_totals)]
             compute = (micro + stages - 1) * max(per_mb) + ctx.update_time(
                 group[s], part.params)
             comm = _allreduce_time(members, part.params, bandwidth) + reads
@@ -656,7 +654,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
                 usable=ctx.usable(group[s]), compute_s=compute, comm_s=comm,
                 host_bytes=host, host_usable=ctx.options.host_memory_per_device
                 if ctx.options.offload else math.inf,
-                stage=s, layers=(a, b), pipeline=r))
+                stage=s, layers=cut.bounds[s], pipeline=r))
     return sorted(loads, key=lambda load: load.device.index)
 
 
