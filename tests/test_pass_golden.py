@@ -21,6 +21,7 @@ from epl import parallel
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.ir.autodiff import internal_autodiff
 from epl.ir.taskgraph import graph_state
+from epl.errors import PassError
 from epl.pass_manager import PassManager
 
 BATCH, FEATURES, HIDDEN, CLASSES = 8, 6, 16, 4
@@ -256,3 +257,17 @@ def test_split_pass_chunked_expert_dispatch(epl_env):
 SPLIT_EXPERTS_GOLDEN: dict[str, int] = {
     "AssignVariableOp": 2, "BatchMatMulV2": 2, "ConcatV2": 2, "Const": 10, "NoOp": 3,
     "ReadVariableOp": 6, "Slice": 4, "VarHandleOp": 2, "VarIsInitializedOp": 2}
+
+
+def test_a_before_analysis_pass_after_another_is_refused():
+    """A pass that runs on the graph as the user built it (auto_stages) must come
+    before every pass that needs the analysis; the driver says which and how to fix."""
+    pipeline = parallel.training_pipeline()
+    moved = pipeline[1:3] + pipeline[:1] + pipeline[3:]
+    with pytest.raises(PassError) as err:
+        parallel.before_analysis(moved)
+    assert str(err.value) == (
+        "pass(es) ['auto_stages'] run before the analysis, but come after 'annotate' in the "
+        f"pipeline {[p.name for p in moved]}. Move them to the front of the pass list.")
+    first, rest = parallel.before_analysis(pipeline)
+    assert [p.name for p in first] == ["auto_stages"] and rest == pipeline[1:]
