@@ -15,11 +15,12 @@ runs of each run's median.  One line per example:
       (predicted <p> ms, measured <m> ms; target 0.7-1.3)
 
 Target: every ratio within 0.7-1.3 (the planner within 30% of the measured
-step).  These small steps are dominated by TensorFlow's per-op costs, which
-the cost model takes from the CPU profile's micro-benchmark
-(`epl.profiles.calibrate_cpu_profile`: per-op overhead, by op type for the
-costly kernels, the optimizer's apply rate, the local collectives' latency
-and bandwidth, the matmul rate of a training step, and the sync time each
+step).  These small steps are dominated by TensorFlow's fixed and per-op
+costs, which the cost model takes from the CPU profile's micro-benchmark
+(`epl.profiles.calibrate_cpu_profile`: a step's fixed cost, per-op cost,
+costly-kernel cost, FLOP rate and optimizer rate fitted on reference
+training steps that are none of the examples, the local collectives'
+latency and bandwidth, the input reads, and the sync time each
 data-parallel replica beyond the first adds on the shared cores,
 `replica_sync_s`); the CPU profile is
 measured in this process before each run (the prediction and the

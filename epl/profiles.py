@@ -77,7 +77,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
-from epl.planner.roofline import DEFAULT_EFFICIENCY
+# normalize_dtype lives in roofline (below both this module and the graph
+# model, which needs it too); it is re-exported here.
+from epl.planner.roofline import DEFAULT_EFFICIENCY, normalize_dtype  # noqa: F401
 
 GiB = 1 << 30
 GB = 10**9
@@ -102,15 +104,6 @@ NVLINK4_BRIDGE_H100 = 300 * GB
 
 #: The dtype keys every built-in profile provides.
 STANDARD_DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-_DTYPE_ALIASES = {
-    "fp32": "float32", "f32": "float32", "float": "float32",
-    "single": "float32",
-    "fp16": "float16", "f16": "float16", "half": "float16",
-    "bf16": "bfloat16",
-    "fp64": "float64", "f64": "float64", "double": "float64",
-    "tf32": "tensorfloat32",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +164,16 @@ class DeviceProfile:
             above are one executor's alone; virtual devices get this
             concurrency's share (`virtual_cpu_profiles`).  1 for the GPU
             table (unused: a GPU is not split into virtual devices).
+        step_overhead_s: seconds a training step's session run costs
+            beyond its ops (the run's dispatch and the executor's start and
+            end), once per step.  Measured for the CPU (`_step_costs`); 0
+            for the GPU table (a GPU calibration would fit it the same way,
+            from the same reference steps run on the GPU).
+        shared_by: how many virtual devices share this device's cores (n
+            for `virtual_cpu_profiles`' share of the CPU among n; 1: its
+            own).  Work on devices that share cores is not idle when one of
+            them waits: a pipeline's bubble on one gives the cores to the
+            others (`epl.planner.search`'s pipeline time).
         host_cores: the cores this process may run on
             (os.sched_getaffinity) when the profile was measured: the
             concurrency of n replicas is interpolated on the cores they can
@@ -193,6 +196,8 @@ class DeviceProfile:
     input_example_s: float = 0.0
     replica_concurrency: float = 1.0
     host_cores: int = 1
+    step_overhead_s: float = 0.0
+    shared_by: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -207,7 +212,8 @@ class DeviceProfile:
                      tuple(sorted(self.op_type_overhead_s.items())),
                      self.optimizer_bandwidth, self.replica_sync_s,
                      self.input_read_s, self.input_example_s,
-                     self.replica_concurrency, self.host_cores))
+                     self.replica_concurrency, self.host_cores,
+                     self.step_overhead_s, self.shared_by))
 
     def flops(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for `dtype` ("float16", "bf16", ... or a tf.DType).
@@ -315,15 +321,6 @@ class HostSpec:
     def network_bandwidth(self) -> float:
         """Per-direction bytes/s of the host's network (all its NICs)."""
         return self.network.bandwidth
-
-
-def normalize_dtype(dtype: Any) -> str:
-    """Canonical dtype name for `dtype` (str or anything with `.name`)."""
-    name = getattr(dtype, "name", dtype)
-    if not isinstance(name, str):
-        raise ConfigError(f"expected a dtype name or tf.DType, got {dtype!r}")
-    name = name.strip().lower()
-    return _DTYPE_ALIASES.get(name, name)
 
 
 # --------------------------------------------------------------------------
@@ -457,8 +454,8 @@ RATE_DEVICES = 1
 _CALIBRATION_RUNS = 7
 #: Rounds of the figures measured more than once (the median is kept).
 _CALIBRATION_ROUNDS = 3
-#: Tiny ops per run in the per-op overhead fit (two points of a line).
-_OVERHEAD_OPS = (400, 3200)
+#: Timed runs of each reference training step per round.
+_STEP_RUNS = 15
 #: Bytes all-reduced per collective in the collective fit.
 _COLLECTIVE_BYTES = (4 << 10, 1 << 20)
 
@@ -490,13 +487,17 @@ class _Bench:
     The examples' step times are medians too, taken under the same load.
     """
 
-    def __init__(self, tf: Any) -> None:
+    def __init__(self, tf: Any, as_built: bool = True) -> None:
         self.tf = tf
+        self.as_built = as_built
 
     def _config(self, devices: int) -> Any:
-        """The session config: `devices` CPUs, graph as built."""
+        """The session config: `devices` CPUs; the graph as built, or
+        (as_built=False) optimized as a training script's session runs it."""
         tf = self.tf
         config = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
+        if not self.as_built:
+            return config
         config.graph_options.rewrite_options.disable_meta_optimizer = True
         options = config.graph_options.optimizer_options
         options.opt_level = tf.compat.v1.OptimizerOptions.L0
@@ -504,9 +505,10 @@ class _Bench:
         options.do_constant_folding = False
         return config
 
-    def times(self, builds: list, devices: int) -> list[float]:
+    def times(self, builds: list, devices: int,
+              runs: int = _CALIBRATION_RUNS) -> list[float]:
         """Median seconds of one run of each graph that a function of
-        `builds` returns, timed interleaved."""
+        `builds` returns, timed interleaved, `runs` runs each."""
         tf = self.tf
         sessions, fetches = [], []
         try:
@@ -521,7 +523,7 @@ class _Bench:
                 for _ in range(2):  # warm-up
                     sessions[-1].run(fetches[-1])
             samples: list[list[float]] = [[] for _ in builds]
-            for _ in range(_CALIBRATION_RUNS):
+            for _ in range(runs):
                 for session, fetch, times in zip(sessions, fetches, samples):
                     start = time.perf_counter()
                     session.run(fetch)
@@ -547,99 +549,204 @@ class _Bench:
         return max(self.line(build, counts, devices)[1], 1e-12)
 
 
-def _chains(tf: Any, shape: list[int], devices: int):
-    """build(n): n elementwise ops (Add and Mul alternating) in one chain
-    per device, the chains side by side."""
-    def build(n: int):
-        outs = []
-        for d in range(devices):
-            with tf.device(f"/device:CPU:{d}"):
-                x = tf.Variable(tf.ones(shape)).read_value()
-                for i in range(n // devices):
-                    x = x * 1.0001 if i % 2 else x + 1.0
-                outs.append(x)
-        return tf.group(*outs)
+#: The training steps the step costs are fitted on (`_step_costs`):
+#: ("mlp", width, layers, batch) and ("transformer", blocks, einsum).  Tiny MLPs (the
+#: per-op and the fixed cost), MLPs of training widths at two batches (the
+#: matmul rate apart from the optimizer's bytes, which grow with the width
+#: but not the batch), a wide layer at batch 1 (the optimizer's bytes, with
+#: few FLOPs) and stacks of transformer blocks (layer norm, self-attention,
+#: a feed-forward layer: the costly kernels), their dense layers matmuls or,
+#: as BERT-style code writes them, einsums.
+#: None of them is an example's model.
+REFERENCE_STEPS = (("mlp", 16, 2, 8), ("mlp", 16, 10, 8),
+                   ("mlp", 256, 2, 64), ("mlp", 256, 2, 256),
+                   ("mlp", 512, 2, 32), ("mlp", 1024, 1, 1),
+                   ("transformer", 1, False), ("transformer", 4, False),
+                   ("transformer", 2, True))
+#: Classes of op types whose cost in a training step is fitted on top of
+#: op_overhead_s, one cost per class: kernels with a large fixed cost on the
+#: CPU, tens of microseconds in a step whatever their size -- oneDNN's
+#: batched matmuls, transposes and softmaxes (attention), einsums (dense
+#: layers written as einsums, expert dispatch), and reductions (Eigen's
+#: parallel reductions: bias gradients, means, layer norms).
+KERNEL_CLASSES = (("BatchMatMulV2", "Transpose", "Softmax"), ("Einsum",),
+                  ("Sum", "Mean"))
+#: Shape of the transformer blocks: batch, sequence, model width, heads.
+_ATTENTION = (4, 32, 64, 4)
+
+
+def _dense(tf: Any, x: Any, units: int, name: str, einsum: bool = False
+           ) -> Any:
+    """x @ kernel + bias, as tf.compat.v1 code writes a dense layer (an
+    einsum over the last axis with einsum=True)."""
+    kernel = tf.compat.v1.get_variable(
+        f"{name}/kernel", [int(x.shape[-1]), units],
+        initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+    bias = tf.compat.v1.get_variable(
+        f"{name}/bias", [units], initializer=tf.compat.v1.zeros_initializer())
+    if einsum:
+        return tf.einsum("bsd,du->bsu", x, kernel) + bias
+    if len(x.shape) > 2:
+        return tf.tensordot(x, kernel, 1) + bias
+    return tf.matmul(x, kernel) + bias
+
+
+def _reference_loss(tf: Any, kind: str, *params: int) -> Any:
+    """The loss of one of `REFERENCE_STEPS`, its input a variable's value
+    (the input pipeline's costs are measured apart, `_input_costs`)."""
+    if kind == "mlp":
+        width, layers, batch = params
+        x = tf.Variable(tf.ones([batch, width]), trainable=False).read_value()
+        for i in range(layers):
+            x = tf.nn.relu(_dense(tf, x, width, f"layer_{i}"))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.zeros([batch], tf.int32), logits=x))
+    blocks, einsum = params
+    batch, length, width, heads = _ATTENTION
+    x = tf.Variable(tf.ones([batch, length, width]) / 8,
+                    trainable=False).read_value()
+
+    def layer_norm(t, name):
+        gamma = tf.compat.v1.get_variable(
+            f"{name}/gamma", [width], initializer=tf.compat.v1.ones_initializer())
+        beta = tf.compat.v1.get_variable(
+            f"{name}/beta", [width], initializer=tf.compat.v1.zeros_initializer())
+        mean, variance = tf.nn.moments(t, axes=[-1], keepdims=True)
+        return (t - mean) * tf.math.rsqrt(variance + 1e-6) * gamma + beta
+
+    def split_heads(t):  # [B, L, D] -> [B, H, L, D/H]
+        return tf.transpose(tf.reshape(
+            t, [batch, length, heads, width // heads]), [0, 2, 1, 3])
+    for i in range(blocks):
+        h = layer_norm(x, f"block_{i}/ln_attention")
+        q, k, v = tf.split(_dense(tf, h, 3 * width, f"block_{i}/qkv", einsum), 3, -1)
+        scores = tf.matmul(split_heads(q), split_heads(k), transpose_b=True)
+        context = tf.matmul(tf.nn.softmax(scores / (width // heads) ** 0.5),
+                            split_heads(v))
+        context = tf.reshape(tf.transpose(context, [0, 2, 1, 3]),
+                             [batch, length, width])
+        x = x + _dense(tf, context, width, f"block_{i}/out", einsum)
+        h = layer_norm(x, f"block_{i}/ln_ffn")
+        h = tf.nn.relu(_dense(tf, h, 2 * width, f"block_{i}/ffn_in", einsum))
+        x = x + _dense(tf, h, width, f"block_{i}/ffn_out", einsum)
+    return tf.reduce_mean(tf.square(x))
+
+
+def _reference_step(tf: Any, step: tuple):
+    """build(): the Adam training step of `step` (one of REFERENCE_STEPS):
+    the ops tf.compat.v1.train.AdamOptimizer builds (the gradients, each
+    variable's two slots and its ResourceApplyAdam), built as EPL's own
+    autodiff and raw apply kernels so that EPL's optimizer hooks, when EPL
+    is initialised in this process, record no training step (a session on
+    a recorded step would be parallelized)."""
+    from epl.ir.autodiff import internal_autodiff
+
+    def build():
+        loss = _reference_loss(tf, *step)
+        variables = tf.compat.v1.trainable_variables()
+        with internal_autodiff():
+            grads = tf.gradients(loss, variables)
+        updates = []
+        for var, grad in zip(variables, grads):
+            m, v = (tf.Variable(tf.zeros(var.shape), trainable=False)
+                    for _ in range(2))
+            updates.append(tf.raw_ops.ResourceApplyAdam(
+                var=var.handle, m=m.handle, v=v.handle, beta1_power=0.9,
+                beta2_power=0.999, lr=1e-3, beta1=0.9, beta2=0.999,
+                epsilon=1e-7, grad=grad))
+        return tf.group(*updates)
     return build
 
 
-#: Tiny ops whose per-op cost is measured by type (shape [2, 2, 8, 8]):
-#: kernels with a large fixed cost on the CPU.
-_COSTLY_KERNELS = {
-    "batch matmul": lambda tf, x: tf.matmul(x, x),
-    "einsum": lambda tf, x: tf.einsum("bhij,bhjk->bhik", x, x),
-    "transpose": lambda tf, x: tf.transpose(x, [0, 2, 1, 3]),
-    "softmax": lambda tf, x: tf.nn.softmax(x),
-}
+def _step_terms(tf: Any, step: tuple) -> list[float]:
+    """What the planner counts in one of `REFERENCE_STEPS`, the terms of
+    `_step_costs`' fit: [1 (the fixed cost), ops, FLOPs, the optimizer's
+    bytes, then each of `KERNEL_CLASSES`' ops].  The ops are the forward, backward and apply
+    ops `epl.planner.graph_model.model_from_graph` counts (as the planner
+    counts an example's); the FLOPs `epl.planner.cost_model.graph_cost`'s;
+    the optimizer's bytes Adam's (variable, slots and gradient in, variable
+    and slots out: 3 + 2 x 2 times the parameter bytes)."""
+    from epl.planner import cost_model
+    from epl.planner.graph_model import model_from_graph
+    with tf.Graph().as_default() as graph:
+        _reference_step(tf, step)()
+    spec = model_from_graph(graph)
+    counts: dict[str, int] = {}
+    for layer in spec.layers:
+        for op_type, count in layer.op_counts:
+            counts[op_type] = counts.get(op_type, 0) + count
+    params = sum(layer.parameter_bytes for layer in spec.layers)
+    return [1.0, float(sum(counts.values())),
+            cost_model.graph_cost(graph)[cost_model.ALL].flops,
+            params * (3 + 2 * cost_model.optimizer_slots("adam")),
+            *(float(sum(counts.get(t, 0) for t in types))
+              for types in KERNEL_CLASSES)]
 
 
-def _kernel_chains(tf: Any, make, devices: int, types: list):
-    """build(n): n ops `make(tf, x)` in one chain per device on a tiny
-    rank-4 tensor; the op type built is appended to `types`."""
-    def build(n: int):
-        outs = []
-        for d in range(devices):
-            with tf.device(f"/device:CPU:{d}"):
-                x = tf.Variable(tf.ones([2, 2, 8, 8]) / 8).read_value()
-                for _ in range(n // devices):
-                    x = make(tf, x)
-                outs.append(x)
-        types.append(x.op.type)
-        return tf.group(*outs)
-    return build
+#: Smallest value of each coefficient of the step fit (seconds per unit of
+#: its term): a term the noise drives to zero or below is held at this.
+_FIT_FLOORS = (0.0, 0.0, 1e-15, 1e-13) + (0.0,) * len(KERNEL_CLASSES)
 
 
-def _op_type_overheads(bench: "_Bench", tf: Any, devices: int,
-                       overhead: float) -> dict[str, float]:
-    """op type -> seconds per op beyond `overhead`, for `_COSTLY_KERNELS`."""
-    found = {}
-    for make in _COSTLY_KERNELS.values():
-        types: list = []
-        per_op = bench.slope(_kernel_chains(tf, make, devices, types),
-                             (20, 100), devices)
-        found[types[-1]] = max(per_op - overhead, 0.0)
-    return found
+def _fit_nonnegative(rows: list[list[float]], times: list[float],
+                     floors: tuple[float, ...]) -> list[float]:
+    """Least-squares coefficients c of times ~ rows @ c, each at least its
+    floor: a coefficient the fit puts below its floor is held there and the
+    others are fitted again (an active set), so that noise cannot give a
+    negative cost."""
+    import numpy as np
+    a, y = np.asarray(rows, float), np.asarray(times, float)
+    fixed: dict[int, float] = {}
+    while True:
+        free = [j for j in range(a.shape[1]) if j not in fixed]
+        rest = y - sum(a[:, j] * v for j, v in fixed.items())
+        coef = np.linalg.lstsq(a[:, free], rest, rcond=None)[0] if free \
+            else []
+        low = [(c - floors[j], j) for c, j in zip(coef, free)
+               if c < floors[j]]
+        if not low:
+            out = [0.0] * a.shape[1]
+            for j, v in fixed.items():
+                out[j] = v
+            for c, j in zip(coef, free):
+                out[j] = float(c)
+            return out
+        fixed[min(low)[1]] = floors[min(low)[1]]
 
 
-def _adam_updates(tf: Any, devices: int, shape: list[int],
-                  types: list | None = None):
-    """build(n): Adam's apply kernel on n variables of `shape` (each with
-    its two slots), spread over the devices; raw kernels, so that EPL's
-    optimizer hooks see no training step.  The op type built is appended
-    to `types` when given."""
-    def build(n: int):
-        outs = []
-        for d in range(devices):
-            with tf.device(f"/device:CPU:{d}"):
-                grad = tf.ones(shape)
-                for _ in range(n // devices):
-                    var, m, v = (tf.Variable(tf.ones(shape))
-                                 for _ in range(3))
-                    outs.append(tf.raw_ops.ResourceApplyAdam(
-                        var=var.handle, m=m.handle, v=v.handle,
-                        beta1_power=0.9, beta2_power=0.999, lr=1e-3,
-                        beta1=0.9, beta2=0.999, epsilon=1e-7, grad=grad))
-        if types is not None and outs:
-            types.append(outs[-1].type)
-        return tf.group(*outs)
-    return build
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """What a training step costs on this CPU, fitted by `_step_costs`.
+
+    Attributes:
+        fixed_s: seconds of a session run of a training step beyond its ops.
+        op_s: seconds per counted op.
+        flop_rate: FLOP/s of the step's counted FLOPs.
+        optimizer_bandwidth: bytes/s of the optimizer's apply ops.
+        kernel_s: op type -> seconds per op beyond op_s, for the types of
+            `KERNEL_CLASSES` (one cost per class).
+    """
+
+    fixed_s: float
+    op_s: float
+    flop_rate: float
+    optimizer_bandwidth: float
+    kernel_s: dict[str, float]
 
 
-def _optimizer_costs(bench: "_Bench", tf: Any, devices: int,
-                     overhead: float) -> tuple[float, dict[str, float]]:
-    """(bytes/s, {op type: seconds per op beyond `overhead`}) of Adam's
-    apply kernel: the bytes it reads and writes (variable, two slots,
-    gradient in; variable and slots out: 7 x the variable) per second on
-    256x256 variables, less the per-op cost of 16-element ones; that
-    per-op cost is the kernel's fixed cost (a few microseconds: a training
-    step pays it once per variable and replica)."""
-    counts, big = (8, 32), 256 * 256
-    types: list = []
-    small = bench.slope(_adam_updates(tf, devices, [16], types), counts,
-                        devices)
-    large = bench.slope(_adam_updates(tf, devices, [256, 256]), counts,
-                        devices)
-    rate = 7 * 4.0 * (big - 16) / max(large - small, 1e-12)
-    return rate, {types[-1]: max(small - overhead, 0.0)}
+def _step_costs(terms: list[list[float]], seconds: list[float]
+                ) -> StepCosts:
+    """The step costs fitted on the `REFERENCE_STEPS`' terms
+    (`_step_terms`) and measured seconds per step: time = fixed + ops x
+    op_s + FLOPs / flop_rate + optimizer bytes / optimizer_bandwidth +
+    each kernel class's ops x its cost, least squares with no cost below
+    zero."""
+    fixed, op, per_flop, per_byte, *kernels = _fit_nonnegative(
+        terms, seconds, _FIT_FLOORS)
+    return StepCosts(fixed_s=fixed, op_s=op, flop_rate=1.0 / per_flop,
+                     optimizer_bandwidth=1.0 / per_byte,
+                     kernel_s={t: cost for types, cost in
+                               zip(KERNEL_CLASSES, kernels) for t in types})
 
 
 def _all_reduces(tf: Any, nbytes: int, devices: int):
@@ -696,8 +803,7 @@ def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
     input), and the replicas'
     gradients are fused (concat) and all-reduced in one collective (split
     back) before the apply; real=False the same replicas independently,
-    each on a constant batch of its own (what `_training_matmul_flops`
-    times, 512 wide)."""
+    each on a constant batch of its own."""
     from tensorflow.python.ops import collective_ops
 
     def build(batch: int):
@@ -819,63 +925,38 @@ def _replica_sync(bench: "_Bench", tf: Any, devices: int, latency: float,
     return sync, min(max(concurrency, 1e-3), float(devices))
 
 
-#: Batches of the training-step fit (points of a line).
-_TRAINING_BATCHES = (64, 192, 320)
-
-
-def _training_matmul_flops(bench: "_Bench", tf: Any, devices: int) -> float:
-    """float32 FLOP/s the matmuls of a training step reach on `devices`
-    virtual devices: the extra FLOPs of a larger batch over the extra time,
-    the FLOPs counted by the planner's own cost model
-    (`epl.planner.cost_model.graph_cost`: forward, the gradients the graph
-    has -- the first layer has no input gradient -- and the small
-    elementwise ops), so that the rate is what the planner's FLOP counts
-    run at."""
-    from epl.planner import cost_model
-    build = _replica_steps(tf, devices, real=False, width=512)
-    flops = []
-    for batch in _TRAINING_BATCHES:
-        with tf.Graph().as_default() as graph:
-            build(batch)
-        flops.append(cost_model.graph_cost(graph)[cost_model.ALL].flops)
-    seconds = bench.times([functools.partial(build, b)
-                           for b in _TRAINING_BATCHES], devices)
-    return 1.0 / max(_fit_line(list(zip(flops, seconds)))[1], 1e-18)
-
-
 def calibrate_cpu_profile() -> DeviceProfile:
-    """Measure this machine's "CPU" profile with TensorFlow (~10 s).
+    """Measure this machine's "CPU" profile with TensorFlow (~15 s).
 
     Needs TensorFlow (imported here, so that planning on the GPU table
-    never loads it).  Every TensorFlow figure is a fitted slope -- the
-    extra run time of more work in the same session -- so a session's fixed
-    cost does not enter it.  The rates are one executor's alone, measured
-    on `RATE_DEVICES` (one) device, as one replica runs; what several
-    replicas on virtual devices reach together is `replica_concurrency`:
+    never loads it).  The rates are one executor's alone, measured on
+    `RATE_DEVICES` (one) device, as one replica runs; what several replicas
+    on virtual devices reach together is `replica_concurrency`:
 
-    - op_overhead_s: seconds per op of a chain of tiny (16-element) Add/Mul
-      ops on one device; the median of three rounds spread through the
-      calibration, as op_type_overhead_s's and the rate's.
-    - peak_flops: the float32 rate the matmuls of a training step of a
-      512-wide MLP reach on one device (the
-      extra time of larger batches, the FLOPs counted by the planner's
-      cost model; the median of three rounds spread through the
-      calibration, since a shared machine's load flips within seconds),
-      divided by
-      `epl.planner.roofline.DEFAULT_EFFICIENCY` so that the planner's
-      default efficiency predicts that rate (smaller matmuls lose to
-      op_overhead_s).  A numpy matmul (the figure used before) or a
-      chain of TensorFlow matmuls is no guide: numpy's BLAS is not
-      TensorFlow's (a third of its rate here, varying 3x between
-      processes), and a forward chain reaches more than a training step's
-      gradients do.  float16 and bfloat16 at
-      the float32 rate, float64 at half.
+    - The step costs (`_step_costs`): the training steps of
+      `REFERENCE_STEPS` (small MLPs and transformer stacks with Adam,
+      none of them an example's model) are timed on one device in a
+      session as a training script opens it (Grappler on), and the
+      planner's own counts of each step (its ops, FLOPs, optimizer bytes
+      and costly kernels, `_step_terms`) fitted to the times by least
+      squares.  A step's kernels cost far more than the same kernels in a
+      chain: a chain of 64x256x256 matmuls ran at 180 GFLOP/s where a
+      training step's ran at 140, Adam's apply moved 40 GB/s alone, and
+      softmaxes and batched matmuls in a chain cost 22-25 us, in a step
+      about 45 (this machine); fitted, the costs are the step's.  They give
+      - step_overhead_s: the fixed cost of a step's session run;
+      - op_overhead_s: seconds per counted op;
+      - peak_flops: the float32 rate of the steps' FLOPs, divided by
+        `epl.planner.roofline.DEFAULT_EFFICIENCY` so that the planner's
+        default efficiency predicts that rate; float16 and bfloat16 at the
+        float32 rate, float64 at half;
+      - optimizer_bandwidth: the bytes Adam's apply ops move per second;
+      - op_type_overhead_s: the types of `KERNEL_CLASSES`, each class's
+        fitted cost of one such kernel beyond op_overhead_s.
+      The steps are timed in three rounds spread through the calibration,
+      each step's median kept: on a shared machine a round samples the load
+      of under a second, which flips between states 2x apart.
     - memory_bandwidth: a 32 MiB numpy copy (read + write).
-    - op_type_overhead_s: the same fit for chains of tiny ([2, 2, 8, 8])
-      batched matmuls, einsums, transposes and softmaxes, less
-      op_overhead_s (their kernels' fixed cost: tens of microseconds).
-    - optimizer_bandwidth: the bytes Adam's apply ops move per second, and
-      Adam's per-op fixed cost in op_type_overhead_s (`_optimizer_costs`).
     - replica_sync_s: the median of three rounds of `_replica_sync` on
       `REPLICA_SYNC_DEVICES` devices (a real data-parallel step's extra
       fixed time per replica, beyond its work, its input read and the
@@ -895,16 +976,11 @@ def calibrate_cpu_profile() -> DeviceProfile:
     import tensorflow as tf
 
     bench, k, one = _Bench(tf), CALIBRATION_DEVICES, RATE_DEVICES
-    # The rates, per-op costs and replica figures are measured in rounds
-    # spread through the calibration, the median kept: on a shared machine a
-    # round samples the load of under a second, which flips between states
-    # 2x apart (another job on a core or not).  The figures measured once
-    # sit between the rounds.
-    rates, overheads, kernels, syncs = [], [], [], []
+    as_run = _Bench(tf, as_built=False)
+    steps = [_reference_step(tf, step) for step in REFERENCE_STEPS]
+    rounds, syncs = [], []
     for round_ in range(_CALIBRATION_ROUNDS):
-        rates.append(_training_matmul_flops(bench, tf, one))
-        overheads.append(bench.slope(_chains(tf, [16], one), _OVERHEAD_OPS, one))
-        kernels.append(_op_type_overheads(bench, tf, one, overheads[-1]))
+        rounds.append(as_run.times(steps, one, runs=_STEP_RUNS))
         if round_ == 0:
             bandwidth = _measure_copy_bandwidth()
             small, large = (bench.slope(_all_reduces(tf, b, k), (1, 5), k)
@@ -913,12 +989,12 @@ def calibrate_cpu_profile() -> DeviceProfile:
             moved = 2 * (k - 1) * (_COLLECTIVE_BYTES[1] - _COLLECTIVE_BYTES[0])
             link = moved / max(large - small, 1e-12)
             read, per_example = _input_costs(bench, tf)
-        elif round_ == 1:
-            optimizer_bandwidth, apply_overhead = _optimizer_costs(
-                bench, tf, one, min(overheads))
         syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
                                    link, bandwidth, read))
-    fp32 = sorted(rates)[1] / DEFAULT_EFFICIENCY
+    costs = _step_costs([_step_terms(tf, step) for step in REFERENCE_STEPS],
+                        [sorted(times)[len(times) // 2]
+                         for times in zip(*rounds)])
+    fp32 = costs.flop_rate / DEFAULT_EFFICIENCY
     return DeviceProfile(
         name=CPU_PROFILE_NAME,
         peak_flops={"float32": fp32, "float16": fp32, "bfloat16": fp32,
@@ -927,11 +1003,11 @@ def calibrate_cpu_profile() -> DeviceProfile:
         memory_bandwidth=bandwidth,
         intra_node_bandwidth=link,
         inter_node_bandwidth=DEFAULT_INTER_NODE_BANDWIDTH,
-        op_overhead_s=sorted(overheads)[1],
+        op_overhead_s=costs.op_s,
         collective_latency_s=latency,
-        op_type_overhead_s={**{t: sorted(k[t] for k in kernels)[1]
-                               for t in kernels[0]}, **apply_overhead},
-        optimizer_bandwidth=optimizer_bandwidth,
+        op_type_overhead_s=costs.kernel_s,
+        optimizer_bandwidth=costs.optimizer_bandwidth,
+        step_overhead_s=costs.fixed_s,
         replica_sync_s=sorted(sync for sync, _ in syncs)[1],
         replica_concurrency=sorted(c for _, c in syncs)[1],
         host_cores=_host_cores(), input_read_s=read,
@@ -971,7 +1047,8 @@ _OVERRIDE_FIELDS = tuple(f for f in _FIELDS if f != "name")
 _OPTIONAL_FIELDS = ("op_overhead_s", "collective_latency_s",
                     "op_type_overhead_s", "optimizer_bandwidth",
                     "replica_sync_s", "input_read_s", "input_example_s",
-                    "replica_concurrency", "host_cores")
+                    "replica_concurrency", "host_cores", "step_overhead_s",
+                    "shared_by")
 _REQUIRED_FIELDS = tuple(f for f in _OVERRIDE_FIELDS
                          if f not in _OPTIONAL_FIELDS)
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -987,6 +1064,7 @@ _FIELD_KIND = {"op_overhead_s": "seconds", "collective_latency_s": "seconds",
                "replica_sync_s": "seconds", "input_read_s": "seconds",
                "input_example_s": "seconds",
                "replica_concurrency": "number", "host_cores": "count",
+               "step_overhead_s": "seconds", "shared_by": "count",
                "op_type_overhead_s": "seconds by op type",
                "optimizer_bandwidth": "rate or zero",
                "memory_bytes": "bytes", "memory_bandwidth": "rate",
@@ -1491,8 +1569,9 @@ def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
     n / speedup.  Memory and the collectives' bandwidth (measured across
     devices, the whole host's) are divided by n; the collective latency,
     the replicas' sync time (`replica_sync_s`, measured per replica on the
-    shared cores) and the input reads' costs (one input pipeline serves
-    every device) stay."""
+    shared cores), the input reads' costs (one input pipeline serves
+    every device) and the step's session cost (one run per step) stay;
+    `shared_by` is n."""
     cpu = get_profile(CPU_PROFILE_NAME, overrides) \
         if _find_override(CPU_PROFILE_NAME, overrides) else cpu_profile()
     if n == 1:
@@ -1510,7 +1589,7 @@ def _cpu_share(n: int, overrides: Mapping | None = None) -> DeviceProfile:
         collective_latency_s=cpu.collective_latency_s,
         op_type_overhead_s={t: v / share for t, v in
                             cpu.op_type_overhead_s.items()},
-        optimizer_bandwidth=cpu.optimizer_bandwidth * share)
+        optimizer_bandwidth=cpu.optimizer_bandwidth * share, shared_by=n)
 
 
 def replica_speedup(cpu: DeviceProfile, n: int) -> float:

@@ -463,6 +463,54 @@ def test_input_reads_add_per_replica_and_per_example():
     assert steps["1ms"] - steps["0us"] == pytest.approx(4e-3 + 8e-6, rel=1e-6)
 
 
+def test_step_overhead_is_paid_once_per_step():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import PlanOptions, plan_cluster
+    from epl.profiles import HostSpec, virtual_cpu_profiles
+    layers = tuple(LayerSpec(f"l{i}", flops_per_example=1e6, parameter_bytes=1e6,
+                             stage=i) for i in range(2))
+    steps = {}
+    for cost in ("0us", "400us"):
+        cpu = {"CPU": {"base": "A10", "step_overhead_s": cost}}
+        profile = virtual_cpu_profiles(2, cpu)[0]
+        for stages, name in ((1, "data-parallel, even split"), (2, "pipeline, 2 stages")):
+            model = ModelSpec("m", layers if stages == 2 else layers[:1],
+                              optimizer="sgd")
+            plan = plan_cluster(model, [HostSpec(profile, 2)], global_batch=8,
+                                options=PlanOptions(num_micro_batch=4))
+            steps[cost, stages] = plan.alternative(name).step_time
+    # one session run per step: not per replica, not per micro-batch
+    for stages in (1, 2):
+        assert steps["400us", stages] - steps["0us", stages] == pytest.approx(4e-4, rel=1e-6)
+
+
+def test_pipeline_on_shared_cores_is_bounded_by_the_host_work():
+    from epl.planner.model_spec import LayerSpec, ModelSpec
+    from epl.planner.planner import PlanOptions, plan_cluster
+    from epl.profiles import HostSpec, replica_speedup, virtual_cpu_profiles
+    # two equal stages, 4 micro-batches: 5 slots of one stage's micro-batch
+    layers = tuple(LayerSpec(f"l{i}", flops_per_example=1e9, stage=i) for i in range(2))
+    model = ModelSpec("m", layers, optimizer="sgd")
+    options = PlanOptions(num_micro_batch=4)
+    name = "pipeline, 2 stages"
+    cpu = {"CPU": {"base": "A10", "replica_concurrency": 1.2, "host_cores": 2}}
+    shared = virtual_cpu_profiles(2, cpu)[0]
+    assert shared.shared_by == 2
+    own = shared.with_overrides(name="own", shared_by=1)
+    compute = {p.shared_by: plan_cluster(model, [HostSpec(p, 2)], global_batch=8,
+                                         options=options).alternative(name).rows[0].compute_s
+               for p in (shared, own)}
+    per_mb = 2 * 1e9 / (shared.flops() * 0.5)   # 2 examples per micro-batch
+    # own cores: the stages wait through the fill and drain, 4 + 2 - 1 slots
+    assert compute[1] == pytest.approx(5 * per_mb, rel=1e-6)
+    # shared cores: an idle stage lends its cores; the host does the 8
+    # micro-batch-stages of work at the 2 devices' combined rate, more than 5
+    # slots of one stage alone
+    share = replica_speedup(shared, 2) / 2
+    assert compute[2] == pytest.approx(max(4 * 2 * per_mb / 2, 5 * per_mb * share), rel=1e-6)
+    assert compute[2] < compute[1]
+
+
 def test_op_overhead_time_by_type():
     profile = get_profile("T", {"T": {"base": "A10", "op_overhead_s": 1e-6,
                                       "op_type_overhead_s": {"Einsum": 5e-6}}})

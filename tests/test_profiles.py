@@ -134,7 +134,8 @@ def test_override_unknown_field_lists_valid_fields():
         "'memory_bandwidth', 'intra_node_bandwidth', 'inter_node_bandwidth', "
         "'op_overhead_s', 'collective_latency_s', 'op_type_overhead_s', "
         "'optimizer_bandwidth', 'replica_sync_s', 'input_read_s', "
-        "'input_example_s', 'replica_concurrency', 'host_cores'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
+        "'input_example_s', 'replica_concurrency', 'host_cores', 'step_overhead_s', "
+        "'shared_by'] (and 'base' in cluster.device_profiles, naming a profile to start from)")
 
 
 def test_override_new_profile_needs_all_fields_or_a_base():
@@ -411,6 +412,72 @@ def test_cpu_share_divides_rates_and_multiplies_op_overhead():
     assert four.collective_latency_s == pytest.approx(3e-5)
 
 
+def test_cpu_share_keeps_the_step_cost_and_counts_the_sharers():
+    cpu = {"CPU": {**FIXED_CPU["CPU"], "step_overhead_s": "300us"}}
+    one, = virtual_cpu_profiles(1, cpu)
+    four = virtual_cpu_profiles(4, cpu)[0]
+    assert one.shared_by == 1 and four.shared_by == 4
+    # one session run per step, whatever the devices
+    assert four.step_overhead_s == one.step_overhead_s == pytest.approx(3e-4)
+
+
+def test_fit_nonnegative_recovers_costs_and_holds_floors():
+    rows = [[1.0, x, y] for x, y in [(1, 0), (2, 1), (5, 3), (9, 2), (4, 7)]]
+    times = [0.5 + 2.0 * x + 3.0 * y for _, x, y in rows]
+    assert profiles._fit_nonnegative(rows, times, (0.0, 0.0, 0.0)) == \
+        pytest.approx([0.5, 2.0, 3.0])
+    # a cost the data make negative is held at its floor, the others are
+    # the least-squares fit of what is left
+    times = [1.0 + 2.0 * x - 0.5 * y for _, x, y in rows]
+    fit = profiles._fit_nonnegative(rows, times, (0.0, 0.0, 1e-3))
+    import numpy as np
+    a = np.asarray(rows)
+    rest = np.asarray(times) - 1e-3 * a[:, 2]
+    expected = np.linalg.lstsq(a[:, :2], rest, rcond=None)[0]
+    assert min(expected) > 0
+    assert fit == pytest.approx([*expected, 1e-3])
+
+
+def test_step_terms_count_what_the_reference_steps_hold():
+    tf = pytest.importorskip("tensorflow")
+    small, deep, block, blocks, einsum = (profiles._step_terms(tf, step) for step in (
+        ("mlp", 16, 2, 8), ("mlp", 16, 10, 8), ("transformer", 1, False),
+        ("transformer", 4, False), ("transformer", 1, True)))
+    assert [len(t) for t in (small, block)] == [4 + len(profiles.KERNEL_CLASSES)] * 2
+    for terms in (small, deep, block, blocks, einsum):
+        assert terms[0] == 1.0 and all(t > 0 for t in terms[1:4])
+    attention, einsums = (profiles.KERNEL_CLASSES.index(c) + 4 for c in (
+        ("BatchMatMulV2", "Transpose", "Softmax"), ("Einsum",)))
+    assert deep[1] > small[1] and deep[2] > small[2]   # more layers: more ops, FLOPs
+    assert small[attention] == deep[attention] == 0.0  # an MLP has no attention
+    # a transformer block's batched matmuls, transposes and softmax, forward
+    # and backward; 4 blocks hold 4 times as many
+    assert block[attention] > 0 and blocks[attention] == 4 * block[attention]
+    # dense layers as einsums: the same attention, and einsums instead of matmuls
+    assert block[einsums] == 0 and einsum[einsums] > 0
+    assert einsum[attention] == block[attention]
+    # Adam's bytes: 7 x the parameters, 2 layers of 16 x 16 + 16
+    assert small[3] == pytest.approx(7 * 4 * 2 * (16 * 16 + 16))
+
+
+def test_step_costs_from_the_fit():
+    classes = len(profiles.KERNEL_CLASSES)
+    rng = __import__("random").Random(0)
+    terms = [[1.0, rng.uniform(100, 900), rng.uniform(1e6, 2e8), rng.uniform(1e4, 6e6),
+              *(rng.choice([0, rng.uniform(1, 60)]) for _ in range(classes))]
+             for _ in range(12)]
+    kernel = [4e-5, 2e-5, 1e-5][:classes]
+    seconds = [3e-4 + t[1] * 1e-7 + t[2] / 1.5e11 + t[3] / 3e10 +
+               sum(k * n for k, n in zip(kernel, t[4:])) for t in terms]
+    costs = profiles._step_costs(terms, seconds)
+    assert costs.fixed_s == pytest.approx(3e-4)
+    assert costs.op_s == pytest.approx(1e-7)
+    assert costs.flop_rate == pytest.approx(1.5e11)
+    assert costs.optimizer_bandwidth == pytest.approx(3e10)
+    assert costs.kernel_s == pytest.approx(
+        {t: k for types, k in zip(profiles.KERNEL_CLASSES, kernel) for t in types})
+
+
 def test_cpu_share_follows_the_measured_replica_concurrency():
     # Measured: 4 replicas on a 2-core host reach 1.6 x one replica alone.
     cpu = {"CPU": {**FIXED_CPU["CPU"], "op_overhead_s": "2us",
@@ -445,6 +512,8 @@ def test_gpu_profiles_have_no_overhead_terms():
             assert get_profile(name).replica_sync_s == 0.0
             assert get_profile(name).input_read_s == 0.0
             assert get_profile(name).input_example_s == 0.0
+            assert get_profile(name).step_overhead_s == 0.0
+            assert get_profile(name).shared_by == 1
 
 
 def test_new_profile_may_leave_out_the_overhead_fields():

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from epl.planner import cost_model as cm
 from epl.planner.model_spec import LayerSpec, ModelSpec
-from epl.profiles import normalize_dtype
+from epl.planner.roofline import normalize_dtype
 
 _SLOT_OPTIMIZER = {0: "sgd", 1: "momentum", 2: "adam", 3: "centeredrmsprop"}
 #: Optimizer apply op types, as cost_model reads them.

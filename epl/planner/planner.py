@@ -60,6 +60,10 @@ The model of one device
   With an expert all-to-all every split layer's exchange is a barrier, so
   the step pays the slowest device's replicated work plus the slowest
   device's expert work; a device done early waits (`DeviceLoad.wait_s`).
+  On top of the roofline: the device's per-op costs (`op_overhead_s`, and
+  `op_type_overhead_s` for costly kernels) and, once per step, its session
+  run's fixed cost (`step_overhead_s`); measured for the CPU, 0 for the
+  GPU table.
 - Communication: a ring all-reduce of the replicated gradients over the
   data-parallel devices (`cost_model.comm_time`) at the bandwidth of the
   link that bounds the ring (`_slowest_link`); the expert all-to-all
@@ -84,7 +88,11 @@ The model of one device
   network's latency, congestion and
   topology (switch tiers, oversubscription) are not modelled.
 - Pipeline: a step takes (micro-batches + stages - 1) x the slowest stage's
-  time per micro-batch (GPipe/1F1B bubble), stage s keeps
+  time per micro-batch (GPipe/1F1B bubble); on virtual devices that share
+  one host's cores (`DeviceProfile.shared_by`) a stage's idle slots give
+  the cores to the others, so the step is the larger of the host's whole
+  work at the devices' combined rate and the slots of a stage running
+  alone (`search._micro_batches_time`).  Stage s keeps
   min(stages - s, micro-batches) micro-batches' activations alive; the
   activations sent between stages are not counted.
 

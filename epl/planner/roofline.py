@@ -40,6 +40,26 @@ APPLY_OPS = {
 }
 
 
+#: Other spellings of the dtype names profiles key their FLOP/s by.
+_DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32",
+    "single": "float32",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64", "f64": "float64", "double": "float64",
+    "tf32": "tensorfloat32",
+}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Canonical dtype name for `dtype` (str or anything with `.name`)."""
+    name = getattr(dtype, "name", dtype)
+    if not isinstance(name, str):
+        raise ConfigError(f"expected a dtype name or tf.DType, got {dtype!r}")
+    name = name.strip().lower()
+    return _DTYPE_ALIASES.get(name, name)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
     """The summed cost of one group of ops.

@@ -30,7 +30,8 @@ from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
                                    merge_op_counts,
                                    _ring_link,
                                    _slowest_link, _totals)
-from epl.profiles import DeviceProfile, HostSpec, normalize_dtype, parse_cluster
+from epl.profiles import (DeviceProfile, HostSpec, normalize_dtype, parse_cluster,
+                          replica_speedup)
 
 @dataclasses.dataclass(frozen=True)
 class ClusterPlan:
@@ -279,7 +280,8 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
                 usable=ctx.usable(device),
                 compute_s=ctx.time(device, batch * totals.flops,
                                    batch * totals.bytes, totals.op_counts)
-                + ctx.update_time(device, state.update_bytes),
+                + ctx.update_time(device, state.update_bytes)
+                + ctx.session_time(device),
                 comm_s=comm, host_bytes=state.host,
                 host_usable=ctx.options.host_memory_per_device
                 if ctx.options.offload else math.inf,
@@ -451,7 +453,8 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
     loads = []
     for device, u, state, b, d, e in zip(devices, units, states, batch,
                                          dense, expert):
-        compute = d + e + ctx.update_time(device, state.update_bytes)
+        compute = d + e + ctx.update_time(device, state.update_bytes) + \
+            ctx.session_time(device)
         wait = (max(dense) - d) + (max(expert) - e) if barrier else 0.0
         comm = allreduce + alltoall
         comm += state.offload_traffic / ctx.options.host_link_bandwidth
@@ -618,6 +621,34 @@ def _stage_rate(ctx: _Context, device: ClusterDevice,
     return whole.flops / _per_example_time(ctx, device, whole)
 
 
+def _micro_batches_time(groups, per_mb: list[list[float]], r: int,
+                        micro: int) -> float:
+    """Seconds pipeline `r` of `groups` (device lists, one per pipeline)
+    spends on its `micro` micro-batches; per_mb[r][s]: seconds of one
+    micro-batch on stage s of pipeline r.
+
+    The schedule (GPipe's, 1F1B's) runs micro + stages - 1 slots of the
+    slowest stage: its fill and drain leave the other stages idle.  On
+    devices that share one host's cores (virtual CPU devices: every
+    device's `shared_by` is the number of devices, all on one host), an
+    idle stage's cores serve the busy ones, so the step is also bounded
+    below by the host's whole work, every pipeline's micro-batches on every
+    stage at the shared rate divided among the n sharing devices, and the
+    slots by a stage running alone (its share of the host,
+    `replica_speedup` / n, gives it all: alone, a slot is per_mb x share):
+    the larger of the two."""
+    stages = len(groups[r])
+    slots = (micro + stages - 1) * max(per_mb[r])
+    devices = [d for group in groups for d in group]
+    n = devices[0].profile.shared_by
+    if n <= 1 or len(devices) != n or len({d.host for d in devices}) > 1 \
+            or any(d.profile.shared_by != n for d in devices):
+        return slots
+    share = replica_speedup(devices[0].profile, n) / n
+    work = micro * sum(sum(times) for times in per_mb) / n
+    return max(work, slots * share)
+
+
 def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
                     ) -> list[DeviceLoad]:
     """Per-device loads of a pipeline plan, in device index order."""
@@ -625,18 +656,22 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
     inflight = _stage_inflight(stages, micro)
     reads = input_time([groups[0][0]], len(groups) * micro,
                        ctx.global_batch)
+    totals = [[_sum_totals(per_layer[x:y]) for x, y in cut.bounds]
+              for cut in cuts]
+    per_mb = [[ctx.time(d, t.flops * batch[r] / micro,
+                        t.bytes * batch[r] / micro, t.op_counts)
+               for d, t in zip(group, totals[r])]
+              for r, group in enumerate(groups)]
     loads = []
     for s in range(stages):
         members = [group[s] for group in groups]
         bandwidth, _ = _slowest_link(members)
         for r, (group, cut) in enumerate(zip(groups, cuts)):
-            stage_totals = [_sum_totals(per_layer[x:y]) for x, y in cut.bounds]
-            part = stage_totals[s]
+            part = totals[r][s]
             mb = batch[r] / micro
-            per_mb = [ctx.time(d, t.flops * mb, t.bytes * mb, t.op_counts)
-                      for d, t in zip(group, stage_totals)]
-            compute = (micro + stages - 1) * max(per_mb) + ctx.update_time(
-                group[s], part.params)
+            compute = _micro_batches_time(groups, per_mb, r, micro) + \
+                ctx.update_time(group[s], part.params) + \
+                ctx.session_time(group[s])
             comm = _allreduce_time(members, part.params, bandwidth) + reads
             host = part.params * (2 + ctx.slots) if ctx.options.offload \
                 else 0.0

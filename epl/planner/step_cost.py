@@ -152,6 +152,12 @@ class _Context:
                                device.profile, self.dtype,
                                self.options.efficiency) + overhead
 
+    def session_time(self, device: ClusterDevice) -> float:
+        """Seconds of a step's session run on `device` beyond its ops,
+        once per step (`DeviceProfile.step_overhead_s`: measured for the
+        CPU, 0 for the GPU table)."""
+        return device.profile.step_overhead_s
+
     def update_time(self, device: ClusterDevice, param_bytes: float) -> float:
         """Seconds of the optimizer update of `param_bytes` on `device`
         (zero under offload: the host runs it): the roofline of its FLOPs
