@@ -453,9 +453,9 @@ RATE_DEVICES = 1
 #: Timed session runs per measurement (the median is kept).
 _CALIBRATION_RUNS = 7
 #: Rounds of the figures measured more than once (the median is kept).
-_CALIBRATION_ROUNDS = 3
+_CALIBRATION_ROUNDS = 5
 #: Timed runs of each reference training step per round.
-_STEP_RUNS = 15
+_STEP_RUNS = 25
 #: Bytes all-reduced per collective in the collective fit.
 _COLLECTIVE_BYTES = (4 << 10, 1 << 20)
 
@@ -476,7 +476,10 @@ class _Bench:
     Runs go through tf.compat.v1 sessions with `device_count` CPUs, with
     Grappler and the classic graph optimizer's constant folding and common
     subexpression elimination off, so the ops run as built (a chain of tiny
-    ops would be folded away, and identical ops merged, otherwise).
+    ops would be folded away, and identical ops merged, otherwise); with
+    as_built=False, in a session configured as a training script's (the
+    reference training steps: Grappler fuses a step's ops as it does a
+    user's).
 
     A fit's points are timed interleaved: every point's session is opened
     and warmed up first, then the runs go round the points `_CALIBRATION_RUNS`
@@ -562,7 +565,7 @@ REFERENCE_STEPS = (("mlp", 16, 2, 8), ("mlp", 16, 10, 8),
                    ("mlp", 256, 2, 64), ("mlp", 256, 2, 256),
                    ("mlp", 512, 2, 32), ("mlp", 1024, 1, 1),
                    ("transformer", 1, False), ("transformer", 4, False),
-                   ("transformer", 2, True))
+                   ("transformer", 1, True), ("transformer", 4, True))
 #: Classes of op types whose cost in a training step is fitted on top of
 #: op_overhead_s, one cost per class: kernels with a large fixed cost on the
 #: CPU, tens of microseconds in a step whatever their size -- oneDNN's
@@ -909,7 +912,7 @@ def _replica_sync(bench: "_Bench", tf: Any, devices: int, latency: float,
     steps = [_replica_steps(tf, devices, False),
              _replica_steps(tf, devices, True), _replica_steps(tf, 1, True)]
     times = bench.times([functools.partial(step, b) for step in steps
-                         for b in _REPLICA_BATCHES], devices)
+                         for b in _REPLICA_BATCHES], devices, runs=_STEP_RUNS)
     span = _REPLICA_BATCHES[1] - _REPLICA_BATCHES[0]
     free_fixed = times[0] - (times[1] - times[0]) / span * \
         _REPLICA_BATCHES[0]
@@ -953,11 +956,11 @@ def calibrate_cpu_profile() -> DeviceProfile:
       - optimizer_bandwidth: the bytes Adam's apply ops move per second;
       - op_type_overhead_s: the types of `KERNEL_CLASSES`, each class's
         fitted cost of one such kernel beyond op_overhead_s.
-      The steps are timed in three rounds spread through the calibration,
+      The steps are timed in five rounds spread through the calibration,
       each step's median kept: on a shared machine a round samples the load
       of under a second, which flips between states 2x apart.
     - memory_bandwidth: a 32 MiB numpy copy (read + write).
-    - replica_sync_s: the median of three rounds of `_replica_sync` on
+    - replica_sync_s: the median of five rounds of `_replica_sync` on
       `REPLICA_SYNC_DEVICES` devices (a real data-parallel step's extra
       fixed time per replica, beyond its work, its input read and the
       all-reduce's ring).
@@ -992,8 +995,7 @@ def calibrate_cpu_profile() -> DeviceProfile:
         syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
                                    link, bandwidth, read))
     costs = _step_costs([_step_terms(tf, step) for step in REFERENCE_STEPS],
-                        [sorted(times)[len(times) // 2]
-                         for times in zip(*rounds)])
+                        [_median(times) for times in zip(*rounds)])
     fp32 = costs.flop_rate / DEFAULT_EFFICIENCY
     return DeviceProfile(
         name=CPU_PROFILE_NAME,
@@ -1008,10 +1010,16 @@ def calibrate_cpu_profile() -> DeviceProfile:
         op_type_overhead_s=costs.kernel_s,
         optimizer_bandwidth=costs.optimizer_bandwidth,
         step_overhead_s=costs.fixed_s,
-        replica_sync_s=sorted(sync for sync, _ in syncs)[1],
-        replica_concurrency=sorted(c for _, c in syncs)[1],
+        replica_sync_s=_median(sync for sync, _ in syncs),
+        replica_concurrency=_median(c for _, c in syncs),
         host_cores=_host_cores(), input_read_s=read,
         input_example_s=per_example)
+
+
+def _median(values) -> float:
+    """The median of an odd number of values (the middle one)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _total_ram_bytes() -> int:
