@@ -687,8 +687,11 @@ def _step_terms(tf: Any, step: tuple) -> list[float]:
 
 
 #: Smallest value of each coefficient of the step fit (seconds per unit of
-#: its term): a term the noise drives to zero or below is held at this.
-_FIT_FLOORS = (0.0, 0.0, 1e-15, 1e-13) + (0.0,) * len(KERNEL_CLASSES)
+#: its term): a term the noise drives to zero or below is held at this (an
+#: op costs at least 1 ns; FLOPs and bytes at most 1 PFLOP/s and 10 TB/s).
+#: The per-op cost is small beside the kernel classes and the fixed cost
+#: (0-0.2 us fitted here), so noise can take it to the floor.
+_FIT_FLOORS = (0.0, 1e-9, 1e-15, 1e-13) + (0.0,) * len(KERNEL_CLASSES)
 
 
 def _fit_nonnegative(rows: list[list[float]], times: list[float],

@@ -549,7 +549,10 @@ def test_overhead_field_error_names_the_profile_and_field():
 
 def test_measured_cpu_profile_has_overhead_terms_and_round_trips():
     cpu = profiles.cpu_profile()
-    assert cpu.op_overhead_s > 0
+    assert cpu.op_overhead_s >= profiles._FIT_FLOORS[1]
+    assert cpu.step_overhead_s > 0
+    assert set(cpu.op_type_overhead_s) == {t for types in profiles.KERNEL_CLASSES
+                                           for t in types}
     assert cpu.collective_latency_s > 0
     assert cpu.intra_node_bandwidth > 1e8
     written = profiles.profile_file(cpu)
