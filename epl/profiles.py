@@ -553,13 +553,13 @@ class _Bench:
 
 
 #: The training steps the step costs are fitted on (`_step_costs`):
-#: ("mlp", width, layers, batch) and ("transformer", blocks, einsum).  Tiny MLPs (the
-#: per-op and the fixed cost), MLPs of training widths at two batches (the
-#: matmul rate apart from the optimizer's bytes, which grow with the width
-#: but not the batch), a wide layer at batch 1 (the optimizer's bytes, with
-#: few FLOPs) and stacks of transformer blocks (layer norm, self-attention,
-#: a feed-forward layer: the costly kernels), their dense layers matmuls or,
-#: as BERT-style code writes them, einsums.
+#: ("mlp", width, layers, batch) and ("transformer", blocks, einsum).  Tiny
+#: MLPs (the per-op and the fixed cost), MLPs of training widths at two
+#: batches (the matmul rate apart from the optimizer's bytes, which grow
+#: with the width but not the batch), a wide layer at batch 1 (the
+#: optimizer's bytes, with few FLOPs) and stacks of transformer blocks
+#: (layer norm, self-attention, a feed-forward layer: the costly kernels)
+#: with matmul dense layers or, as BERT-style code writes them, einsums.
 #: None of them is an example's model.
 REFERENCE_STEPS = (("mlp", 16, 2, 8), ("mlp", 16, 10, 8),
                    ("mlp", 256, 2, 64), ("mlp", 256, 2, 256),
@@ -664,9 +664,10 @@ def _reference_step(tf: Any, step: tuple):
 def _step_terms(tf: Any, step: tuple) -> list[float]:
     """What the planner counts in one of `REFERENCE_STEPS`, the terms of
     `_step_costs`' fit: [1 (the fixed cost), ops, FLOPs, the optimizer's
-    bytes, then each of `KERNEL_CLASSES`' ops].  The ops are the forward, backward and apply
-    ops `epl.planner.graph_model.model_from_graph` counts (as the planner
-    counts an example's); the FLOPs `epl.planner.cost_model.graph_cost`'s;
+    bytes, then each of `KERNEL_CLASSES`' ops].  The ops are the forward,
+    backward and apply ops `epl.planner.graph_model.model_from_graph` counts
+    (as the planner counts an example's); the FLOPs
+    `epl.planner.cost_model.graph_cost`'s;
     the optimizer's bytes Adam's (variable, slots and gradient in, variable
     and slots out: 3 + 2 x 2 times the parameter bytes)."""
     from epl.planner import cost_model
@@ -932,7 +933,7 @@ def _replica_sync(bench: "_Bench", tf: Any, devices: int, latency: float,
 
 
 def calibrate_cpu_profile() -> DeviceProfile:
-    """Measure this machine's "CPU" profile with TensorFlow (~15 s).
+    """Measure this machine's "CPU" profile with TensorFlow (~30 s on 2 cores).
 
     Needs TensorFlow (imported here, so that planning on the GPU table
     never loads it).  The rates are one executor's alone, measured on
@@ -1033,7 +1034,7 @@ def _total_ram_bytes() -> int:
 @functools.lru_cache(maxsize=1)
 def cpu_profile() -> DeviceProfile:
     """The "CPU" profile of this machine, measured once per process
-    (`calibrate_cpu_profile`, ~10 s, imports TensorFlow).  To skip the
+    (`calibrate_cpu_profile`, ~30 s, imports TensorFlow).  To skip the
     measurement (and have every worker plan with the same figures), write
     a profile file with ``epl-plan --calibrate --output FILE`` and give it
     as `cluster.device_profiles` or ``epl-plan --profiles FILE``."""
