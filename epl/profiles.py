@@ -470,6 +470,12 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
+def _median(values) -> float:
+    """The median of an odd number of values (the middle one)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 class _Bench:
     """Times graphs built by a function of one count, on virtual CPU devices.
 
@@ -534,11 +540,7 @@ class _Bench:
         finally:
             for session in sessions:
                 session.close()
-        return [sorted(t)[len(t) // 2] for t in samples]
-
-    def seconds(self, build, count: int, devices: int) -> float:
-        """Median seconds of one run of the graph `build(count)` returns."""
-        return self.times([lambda: build(count)], devices)[0]
+        return [_median(t) for t in samples]
 
     def line(self, build, counts: tuple[int, ...], devices: int
              ) -> tuple[float, float]:
@@ -575,7 +577,7 @@ REFERENCE_STEPS = (("mlp", 16, 2, 8), ("mlp", 16, 10, 8),
 KERNEL_CLASSES = (("BatchMatMulV2", "Transpose", "Softmax"), ("Einsum",),
                   ("Sum", "Mean"))
 #: Shape of the transformer blocks: batch, sequence, model width, heads.
-_ATTENTION = (4, 32, 64, 4)
+_TRANSFORMER = (4, 32, 64, 4)
 
 
 def _dense(tf: Any, x: Any, units: int, name: str, einsum: bool = False
@@ -605,7 +607,7 @@ def _reference_loss(tf: Any, kind: str, *params: int) -> Any:
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tf.zeros([batch], tf.int32), logits=x))
     blocks, einsum = params
-    batch, length, width, heads = _ATTENTION
+    batch, length, width, heads = _TRANSFORMER
     x = tf.Variable(tf.ones([batch, length, width]) / 8,
                     trainable=False).read_value()
 
@@ -1018,12 +1020,6 @@ def calibrate_cpu_profile() -> DeviceProfile:
         replica_concurrency=_median(c for _, c in syncs),
         host_cores=_host_cores(), input_read_s=read,
         input_example_s=per_example)
-
-
-def _median(values) -> float:
-    """The median of an odd number of values (the middle one)."""
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 def _total_ram_bytes() -> int:

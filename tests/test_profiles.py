@@ -421,6 +421,18 @@ def test_cpu_share_keeps_the_step_cost_and_counts_the_sharers():
     assert four.step_overhead_s == one.step_overhead_s == pytest.approx(3e-4)
 
 
+def test_step_overhead_and_shared_by_refuse_bad_values():
+    with pytest.raises(ConfigError) as info:
+        get_profile("CPU", {"CPU": {"base": "A10", "shared_by": 1.5}})
+    assert str(info.value) == ("cluster.device_profiles['CPU'], field 'shared_by': "
+                               "expected a positive whole number, got 1.5")
+    with pytest.raises(ConfigError) as info:
+        get_profile("CPU", {"CPU": {"base": "A10", "step_overhead_s": "fast"}})
+    assert str(info.value) == (
+        "cluster.device_profiles['CPU'], field 'step_overhead_s': expected a non-negative "
+        "number of seconds or a string such as '3.5us', got 'fast'")
+
+
 def test_fit_nonnegative_recovers_costs_and_holds_floors():
     rows = [[1.0, x, y] for x, y in [(1, 0), (2, 1), (5, 3), (9, 2), (4, 7)]]
     times = [0.5 + 2.0 * x + 3.0 * y for _, x, y in rows]
@@ -439,7 +451,7 @@ def test_fit_nonnegative_recovers_costs_and_holds_floors():
 
 
 def test_step_terms_count_what_the_reference_steps_hold():
-    tf = pytest.importorskip("tensorflow")
+    import tensorflow as tf
     small, deep, block, blocks, einsum = (profiles._step_terms(tf, step) for step in (
         ("mlp", 16, 2, 8), ("mlp", 16, 10, 8), ("transformer", 1, False),
         ("transformer", 4, False), ("transformer", 1, True)))

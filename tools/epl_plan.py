@@ -53,9 +53,10 @@ never imports TensorFlow; ``--graph`` and ``--script`` do.
 micro-benchmark (`epl.profiles.calibrate_cpu_profile`: a training step's
 fixed, per-op, costly-kernel, FLOP and optimizer costs fitted on reference
 training steps, memory bandwidth, the local collectives' latency and
-bandwidth, the input reads and the replicas' sync) and prints it, or writes it to ``--output FILE``, as the JSON
-object that ``--profiles FILE`` and ``cluster.device_profiles`` accept
-(``{"CPU": {...}}``; virtual CPU devices share it).  Giving that file skips
+bandwidth, the input reads and the replicas' sync) and prints it, or
+writes it to ``--output FILE``, as the JSON object that ``--profiles
+FILE`` and ``cluster.device_profiles`` accept (``{"CPU": {...}}``; virtual
+CPU devices share it).  Giving that file skips
 the measurement every process would otherwise make, and lets every worker
 plan with the same figures.  GPU profiles keep their published figures.
 

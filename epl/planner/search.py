@@ -662,6 +662,8 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
                         t.bytes * batch[r] / micro, t.op_counts)
                for d, t in zip(group, totals[r])]
               for r, group in enumerate(groups)]
+    micro_batches = [_micro_batches_time(groups, per_mb, r, micro)
+                     for r in range(len(groups))]
     loads = []
     for s in range(stages):
         members = [group[s] for group in groups]
@@ -669,7 +671,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
         for r, (group, cut) in enumerate(zip(groups, cuts)):
             part = totals[r][s]
             mb = batch[r] / micro
-            compute = _micro_batches_time(groups, per_mb, r, micro) + \
+            compute = micro_batches[r] + \
                 ctx.update_time(group[s], part.params) + \
                 ctx.session_time(group[s])
             comm = _allreduce_time(members, part.params, bandwidth) + reads
