@@ -27,7 +27,8 @@ STAMP := $(VENV)/.epl-installed-$(DEVICE)
 setup: $(STAMP)
 
 $(STAMP): requirements.txt requirements-$(DEVICE).txt requirements-nodeps.txt setup.py \
-		tools/build_horovod.sh tools/patch_horovod_tf.py tools/select_device.py
+		tools/build_horovod.sh tools/patch_horovod_tf.py tools/patch_horovod_runner.py \
+		tools/select_device.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip wheel setuptools
 	if $(VPY) -m pip show -q $(OTHER_TF_$(DEVICE)) >/dev/null 2>&1; then \

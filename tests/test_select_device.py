@@ -211,6 +211,10 @@ if args[:3] == ["-m", "pip", "wheel"]:
     out = args[args.index("-w") + 1]
     open(os.path.join(out, "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"), "w").close()
     sys.exit(0)
+if args[0].endswith("patch_horovod_runner.py"):  # patches the installed Horovod: recorded only
+    with open(log + ".runner", "a") as f:
+        f.write("patched\\n")
+    sys.exit(0)
 if args[0].endswith(".py"):                # tools/select_device.py, tools/patch_horovod_tf.py
     sys.exit(subprocess.run([{python!r}] + args).returncode)
 sys.exit(0)                               # pip install ...
@@ -258,6 +262,8 @@ def test_cpu_build_never_switches_to_nccl(horovod_build, tmp_path):
     assert "xla_mpi_ops.cc" not in record["cmake"]
     assert "AsGpuStreamValue(Stream* stream);" in record["mpi_ops"]  # not patched for cpu
     assert [p.name for p in cache.iterdir()] == ["tf-2.21.0-cp311"]
+    # horovodrun's teardown is patched after the install (tools/patch_horovod_runner.py)
+    assert (tmp_path / "build.json.runner").read_text() == "patched\n"
 
 
 def test_gpu_build_uses_pip_nccl_and_keys_the_cache_by_kind(horovod_build, tmp_path):

@@ -42,7 +42,15 @@ def _check_failure(job, mode, report, how):
     seconds = job.end - stalled_at
     report(f"time to failure, worker 1 {mode} ({how}): {seconds:.1f} s "
            f"(collective_timeout_s {TIMEOUT_S} s)")
-    assert seconds <= TIMEOUT_S + SLACK_S, (seconds, errors(out))
+    assert seconds <= TIMEOUT_S + SLACK_S, "the job ended %.1f s after the stall; its output:\n%s" % (
+        seconds, _timeline(job, stalled_at))
+
+
+def _timeline(job, since: float) -> str:
+    """The output from `since` on, each line with its arrival time after `since`
+    (traceback frames left out), to tell which part of the failure took the time."""
+    return "\n".join("%6.2f s  %s" % (arrived - since, line) for arrived, line in job.lines
+                     if arrived >= since and not line.split(":", 1)[-1].startswith("  "))[-4000:]
 
 
 @pytest.mark.parametrize("mode", ["outside", "inside", "fewer"])

@@ -8,6 +8,11 @@
 # horovod/tensorflow/CMakeLists.txt; allreduce, grouped_allreduce, allgather,
 # broadcast and DistributedOptimizer all work in graph mode without it.
 #
+# After every install (a build, the wheel cache, or Horovod already there),
+# tools/patch_horovod_runner.py patches horovodrun's teardown of a failed job
+# in the installed package (pure Python, so no rebuild): without it, the job
+# can end 5 s after its first worker failed.
+#
 # The device kind is EPL_DEVICE (cpu or gpu), else what tools/select_device.py
 # chooses (gpu where nvidia-smi lists a GPU):
 # - cpu: Gloo only. Every HOROVOD_GPU* variable is cleared for the build, so a
@@ -52,7 +57,11 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 HVD_VERSION=0.28.1
 KIND=$("$PY" "$HERE/select_device.py")
 WANT_NCCL=$([ "$KIND" = gpu ] && echo True || echo False)
+# horovodrun's teardown of a failed job, patched in the installed package after
+# every install (see tools/patch_horovod_runner.py).
+patch_runner() { "$PY" "$HERE/patch_horovod_runner.py"; }
 if "$PY" -c "import horovod, horovod.tensorflow as h; assert horovod.__version__ == '$HVD_VERSION'; assert bool(h.nccl_built()) == $WANT_NCCL" 2>/dev/null; then
+  patch_runner
   exit 0
 fi
 TF_VERSION=$("$PY" -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null)
@@ -144,5 +153,6 @@ if [ -z "$wheel" ]; then
   wheel=$(ls "$CACHE"/horovod-$HVD_VERSION-*.whl | head -n 1)
 fi
 "$PY" -m pip install -q --no-deps --force-reinstall "$wheel"
+patch_runner
 "$PY" -m pip install -q cloudpickle psutil pyyaml packaging
 "$PY" -c "import horovod, horovod.tensorflow as h; print('build_horovod: Horovod', horovod.__version__, 'gloo built:', h.gloo_built(), 'nccl built:', bool(h.nccl_built()))" 2>/dev/null
