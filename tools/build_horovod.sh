@@ -57,8 +57,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 HVD_VERSION=0.28.1
 KIND=$("$PY" "$HERE/select_device.py")
 WANT_NCCL=$([ "$KIND" = gpu ] && echo True || echo False)
-# horovodrun's teardown of a failed job, patched in the installed package after
-# every install (see tools/patch_horovod_runner.py).
+# The header's patch of horovodrun's teardown, run after every install.
 patch_runner() { "$PY" "$HERE/patch_horovod_runner.py"; }
 if "$PY" -c "import horovod, horovod.tensorflow as h; assert horovod.__version__ == '$HVD_VERSION'; assert bool(h.nccl_built()) == $WANT_NCCL" 2>/dev/null; then
   patch_runner
