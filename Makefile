@@ -1,7 +1,7 @@
 # Two commands do all of the setup on a fresh machine:
 #   make run   - create .venv, install everything, train the main example (M6-mini)
 #   make test  - create .venv, install everything, run the whole test suite
-# The build follows the machine (tools/select_device.py): "gpu" where nvidia-smi
+# The build follows the machine (scripts/select_device.py): "gpu" where nvidia-smi
 # lists a GPU (tensorflow[and-cuda], Horovod with NCCL), "cpu" otherwise
 # (tensorflow-cpu, Horovod with Gloo); EPL_DEVICE=cpu|gpu forces either.
 #   make gpu-check - on a machine with NVIDIA GPUs: the GPU checks (README)
@@ -12,9 +12,9 @@ EXAMPLE ?= examples/m6_mini.py
 # tf.compat.v1.layers needs legacy Keras (tf-keras, requirements-nodeps.txt)
 export TF_USE_LEGACY_KERAS := 1
 
-DEVICE := $(shell $(PY) tools/select_device.py)
+DEVICE := $(shell $(PY) scripts/select_device.py)
 ifeq ($(DEVICE),)
-$(error tools/select_device.py chose no device kind; its message is above)
+$(error scripts/select_device.py chose no device kind; its message is above)
 endif
 # Both TensorFlow packages provide the module `tensorflow`: switching kinds
 # removes the other one first.
@@ -27,15 +27,15 @@ STAMP := $(VENV)/.epl-installed-$(DEVICE)
 setup: $(STAMP)
 
 $(STAMP): requirements.txt requirements-$(DEVICE).txt requirements-nodeps.txt setup.py \
-		tools/build_horovod.sh tools/patch_horovod_tf.py tools/patch_horovod_runner.py \
-		tools/select_device.py
+		scripts/build_horovod.sh scripts/patch_horovod_tf.py scripts/patch_horovod_runner.py \
+		scripts/select_device.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip wheel setuptools
 	if $(VPY) -m pip show -q $(OTHER_TF_$(DEVICE)) >/dev/null 2>&1; then \
 		$(VPY) -m pip uninstall -q -y $(OTHER_TF_$(DEVICE)); fi
 	$(VPY) -m pip install -q -r requirements.txt -r requirements-$(DEVICE).txt
 	$(VPY) -m pip install -q --no-deps -r requirements-nodeps.txt
-	EPL_DEVICE=$(DEVICE) bash tools/build_horovod.sh $(VPY)
+	EPL_DEVICE=$(DEVICE) bash scripts/build_horovod.sh $(VPY)
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.epl-installed*
 	touch $(STAMP)
@@ -48,9 +48,9 @@ test: setup
 
 # Says so and fails on a machine without NVIDIA GPUs before installing anything.
 gpu-check:
-	$(PY) tools/gpu_check.py --preflight
+	$(PY) scripts/gpu_check.py --preflight
 	$(MAKE) --no-print-directory setup
-	$(VPY) tools/gpu_check.py
+	$(VPY) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

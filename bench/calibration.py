@@ -4,8 +4,8 @@
     python bench/calibration.py --runs 5 --only m6_mini
 
 Each example under examples/ is captured as `epl-plan --script` captures it
-(`tools.epl_plan.capture_script_graph`), planned on its virtual CPU devices
-with the measured CPU profile (`epl.profiles.virtual_cpu_profiles`), and run
+(`epl.tools.plan.capture_script_graph`), planned on its virtual CPU devices
+with the measured CPU profile (`epl.planner.profiles.virtual_cpu_profiles`), and run
 as a subprocess with small settings; its step time is read from its
 "samples/s" lines (the first interval, with the warm-up, left out).  Each
 example runs `--runs` times; the measured step time is the median over the
@@ -17,7 +17,7 @@ runs of each run's median.  One line per example:
 Target: every ratio within 0.7-1.3 (the planner within 30% of the measured
 step).  These small steps are dominated by TensorFlow's fixed and per-op
 costs, which the cost model takes from the CPU profile's micro-benchmark
-(`epl.profiles.calibrate_cpu_profile`: a step's fixed cost, per-op cost,
+(`epl.planner.profiles.calibrate_cpu_profile`: a step's fixed cost, per-op cost,
 costly-kernel cost, FLOP rate and optimizer rate fitted on reference
 training steps that are none of the examples, the local collectives'
 latency and bandwidth, the input reads, and the sync time each
@@ -27,7 +27,7 @@ measured in this process before each run (the prediction and the
 measurement are medians over the runs), since a shared machine's load
 moves both.  The figures are in the README; the last line
 counts the examples inside and outside the target.
-tests/test_planner_calibration.py runs three rounds per example with a looser
+tests/planner/test_planner_calibration.py runs three rounds per example with a looser
 bound that the model meets.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ sys.path.insert(0, ROOT)
 
 from epl.planner.graph_model import model_from_graph  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
-from epl.profiles import HostSpec, cpu_profile, virtual_cpu_profiles  # noqa: E402
-from tools.epl_plan import capture_script_graph  # noqa: E402
+from epl.planner.profiles import HostSpec, cpu_profile, virtual_cpu_profiles  # noqa: E402
+from epl.tools.plan import capture_script_graph  # noqa: E402
 
 EXAMPLES_DIR = os.path.join(ROOT, "examples")
 #: predicted/measured within this range meets the target.

@@ -48,7 +48,7 @@ for the first model (the MLP); a line per model precedes it.
 With `--device gpu` both sides run on this machine's GPUs instead: all of
 them where there are two or more (EPL's local collectives and
 MirroredStrategy's all-reduce both use NCCL), or one GPU split into 2 logical
-GPUs (`epl.cluster.use_logical_gpus`; EPL's collectives then use TensorFlow's
+GPUs (`epl.runtime.cluster.use_logical_gpus`; EPL's collectives then use TensorFlow's
 ring and MirroredStrategy reduces to one device, NCCL refusing a GPU twice).
 """
 from __future__ import annotations
@@ -222,7 +222,7 @@ def configure_devices(args) -> None:
     import tensorflow as tf
     if args.device == "gpu":
         if len(tf.config.list_physical_devices("GPU")) == 1:
-            from epl.cluster import use_logical_gpus
+            from epl.runtime.cluster import use_logical_gpus
             use_logical_gpus(NUM_DEVICES, LOGICAL_GPU_MEMORY_MB)
     elif args.side == "mirrored":
         cpus = tf.config.list_physical_devices("CPU")

@@ -1,7 +1,7 @@
 """Gradient checkpointing (peak memory and step time of one step) and ZeRO (optimizer state).
 
 Builds a deep model in plain TensorFlow (no EPL: this measures the algorithm
-in epl/ir/recompute.py, not the passes around it) and runs one training step
+in epl/passes/recompute/checkpoints.py, not the passes around it) and runs one training step
 (gradients + SGD apply) two ways, each in its own subprocess:
 
 - baseline:      tf.compat.v1.gradients(loss, variables)
@@ -33,7 +33,7 @@ Prints one line per side, the ratios and
 ZeRO (a fourth subprocess): the same model under EPL with Adam on
 --zero-replicas virtual CPU devices, parallelized without and with
 `zero.level: "v1"`; the optimizer-state bytes per replica are read from the
-placed graph (graph_passes.zero.optimizer_state_bytes), and
+placed graph (epl.passes.zero.optimizer_state_bytes), and
   zero: optimizer-state bytes per replica with ZeRO = R.RRR x replicated Adam (target 1/N)
 
 Usage:
@@ -94,7 +94,7 @@ def _build(args, side: str):
     """(graph, loss, train_op, init, feed, #checkpoints, seconds to build the gradients)."""
     import tensorflow as tf
     import common
-    from epl.ir import recompute
+    from epl.passes.recompute import checkpoints as recompute
 
     spec = _spec(args)
     params_fn, loss_fn, batch_fn = common.model_fns(spec)
@@ -186,14 +186,14 @@ def zero_worker(args) -> dict:
     """Adam's optimizer-state bytes per replica, replicated and with ZeRO (zero.level v1).
 
     The same model under EPL on --zero-replicas virtual CPU devices, parallelized
-    twice; the bytes come from the placed graph (graph_passes.zero.optimizer_state_bytes:
+    twice; the bytes come from the placed graph (epl.passes.zero.optimizer_state_bytes:
     the optimizer-state variables a step reads, by device).
     """
     import tensorflow as tf
     import common
     import epl
     from epl import env
-    from graph_passes.zero import optimizer_state_bytes
+    from epl.passes.zero import optimizer_state_bytes
 
     tf.compat.v1.enable_resource_variables()  # ZeRO shards resource variables
     spec = _spec(args)

@@ -30,7 +30,7 @@ that falls short from a cluster that cannot do better.
 It does so twice, for the same clusters with two networks:
 
 1. every host with its server's published compute network
-   (`NETWORKED_CLUSTERS`, cited in epl/profiles.py): A100 hosts like an
+   (`NETWORKED_CLUSTERS`, cited in epl/planner/profiles.py): A100 hosts like an
    NVIDIA DGX A100, one 200 Gb/s HDR InfiniBand NIC per GPU (8 x 200 Gb/s
    for 8 GPUs; 4 x 200 Gb/s for the 4-GPU hosts); 8-GPU V100 hosts like an
    NVIDIA DGX-1 with V100, 4 x 100 Gb/s EDR InfiniBand (a DGX-2 has the same
@@ -63,15 +63,15 @@ from epl.errors import ClusterError  # noqa: E402
 from epl.planner import balance  # noqa: E402
 from epl.planner import search, step_cost  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
-from epl.profiles import parse_cluster  # noqa: E402
-from tools.epl_plan import builtin_model  # noqa: E402
+from epl.planner.profiles import parse_cluster  # noqa: E402
+from epl.tools.plan import builtin_model  # noqa: E402
 
 CLUSTERS = [
     ("V100+T4", "1x8xV100-32GB,1x8xT4"),
     ("A100+V100", "1x8xA100-40GB,1x8xV100-32GB"),
     ("8 fast + 8 slow", "2x4xA100-80GB,2x4xT4"),
 ]
-#: Per-NIC networks of the servers (see the docstring and epl/profiles.py).
+#: Per-NIC networks of the servers (see the docstring and epl/planner/profiles.py).
 DGX_A100_NIC = "200Gbps"  # one HDR InfiniBand NIC per GPU
 DGX1_V100 = "4x100Gbps"  # DGX-1 with V100: 4 x EDR InfiniBand for 8 GPUs
 T4_SERVER = "1x100Gbps"

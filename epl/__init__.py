@@ -11,8 +11,8 @@ The first session on the graph (or epl.parallelize()) rewrites it.
 
 The names below are loaded when first used (PEP 562), so that importing one of
 EPL's low-level modules (epl.errors, epl.ir.*) does not import the whole API
-and, through it, every layer above that module (tools/import_graph.py), and
-importing a TensorFlow-free part (epl.profiles, epl.planner.planner: what
+and, through it, every layer above that module (scripts/import_graph.py), and
+importing a TensorFlow-free part (epl.planner.profiles, epl.planner.planner: what
 `epl-plan --model` runs) does not import TensorFlow.
 """
 import importlib
@@ -22,7 +22,7 @@ VERSION = __version__  # EPL's name
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "Cluster": "epl.cluster",
+    "Cluster": "epl.runtime.cluster",
     "Config": "epl.config",
     "Env": "epl.api", "init": "epl.api", "parallelize": "epl.api",
     "EPLError": "epl.errors", "ConfigError": "epl.errors", "ScopeError": "epl.errors",

@@ -2,8 +2,8 @@
 
 Layers, each importing only those below it: this API (and epl/strategies.py,
 epl/layers.py) -> session and optimizer integration (epl/hooks/) -> the driver
-(epl/parallel.py) -> the passes (graph_passes/) -> planner, runtime and IR ->
-config (tools/import_graph.py checks there is no cycle).
+(epl/parallel.py) -> the passes (epl/passes/) -> planner, runtime and IR ->
+config (scripts/import_graph.py checks there is no cycle).
 
 `init(config)` freezes the configuration, makes it the active one
 (epl/env.py) and installs the hooks that let a plain training script trigger
@@ -21,9 +21,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl import env, hooks
-from epl.cluster import local_cluster
+from epl.runtime.cluster import local_cluster
 from epl.config import Config
-from epl.logs import configure as configure_logging
+from epl.observability.logs import configure as configure_logging
 from epl.parallel import ParallelGraph, parallelize as _parallelize
 
 

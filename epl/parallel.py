@@ -5,7 +5,7 @@ graph, or MonitoredTrainingSession's Scaffold.finalize) or explicitly by the
 user. It runs the training pipeline (`training_pipeline()`, every rewrite a
 pass of its own) in two parts around the analysis: the passes that only retag
 the graph as the user built it (`GraphPass.before_analysis`: the automatic
-stages, graph_passes/auto_stages.py), then the analysis and the plan (both may
+stages, epl/passes/pipeline/auto_stages.py), then the analysis and the plan (both may
 raise before any op is added), then every other pass. It stores a
 `ParallelGraph` on the graph's state: what the session integration needs
 (fetch remapping, replica sync).
@@ -20,36 +20,36 @@ import time
 
 import tensorflow as tf
 
-from epl.cluster import Cluster, local_cluster
+from epl.runtime.cluster import Cluster, local_cluster
 from epl.env import config_for, get_config
 from epl.errors import ParallelizeError, PassError
 from epl.ir.autodiff import internal_autodiff
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.taskgraph import graph_state
-from epl.pass_manager import DumpInstrument, PassContext, PassManager, TimingInstrument
+from epl.passes.manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_local_plan, split_layout
 from epl.planner.planner import local_shard_weights
 from epl.runtime.collective_check import check_collectives_agree
 from epl.runtime.communicators import make_communicator
-from epl.runtime.trace import make_tracer
+from epl.observability.trace import make_tracer
 from epl.strategies import EAGER_HINT
-from epl.summary import format_summary, summarize
-from graph_passes.accumulate import AccumulatePass
-from graph_passes.amp import AmpPass
-from graph_passes.annotate import AnnotatePass
-from graph_passes.apply_groups import ApplyGroupsPass
-from graph_passes.auto_stages import AutoStagesPass
-from graph_passes.gradient_comm import GradientCommPass
-from graph_passes.offload import OffloadPass
-from graph_passes.recompute import RecomputePass
-from graph_passes.replicate import ReplicatePass
-from graph_passes.replication.inputs import batch_mode, supports_uneven_shares
-from graph_passes.schedule import SchedulePass
-from graph_passes.skip_on_overflow import SkipOnOverflowPass
-from graph_passes.split import SplitPass, SplitPlan
-from graph_passes.unscale import UnscalePass
-from graph_passes.verify import InvariantInstrument, VerifyPass
-from graph_passes.zero import ZeroPass
+from epl.observability.summary import format_summary, summarize
+from epl.passes.pipeline.accumulate import AccumulatePass
+from epl.passes.amp import AmpPass
+from epl.passes.annotate import AnnotatePass
+from epl.passes.apply_groups import ApplyGroupsPass
+from epl.passes.pipeline.auto_stages import AutoStagesPass
+from epl.passes.gradient_comm import GradientCommPass
+from epl.passes.offload import OffloadPass
+from epl.passes.recompute.recompute import RecomputePass
+from epl.passes.replication.replicate import ReplicatePass
+from epl.passes.replication.inputs import batch_mode, supports_uneven_shares
+from epl.passes.pipeline.schedule import SchedulePass
+from epl.passes.skip_on_overflow import SkipOnOverflowPass
+from epl.passes.split.split import SplitPass, SplitPlan
+from epl.passes.unscale import UnscalePass
+from epl.passes.verify import InvariantInstrument, VerifyPass
+from epl.passes.zero import ZeroPass
 
 
 def gradient_time_pipeline() -> list:
@@ -96,7 +96,7 @@ def training_pipeline() -> list:
     auto_stages retags the graph as the user built it (before the analysis); then
     the forward is lowered (amp), the backward's checkpoints chosen (recompute),
     the model copied per (replica, micro-batch) (replicate), and the gradients
-    flow one way (graph_passes/gradient_flow.py): accumulated over micro-batches,
+    flow one way (epl/passes/gradient_flow.py): accumulated over micro-batches,
     unscaled right after the backward, reduced (zero, gradient_comm), and at the
     end of the step an overflowed update skipped (skip_on_overflow).
 
@@ -303,7 +303,7 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
 
 
 def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: float) -> None:
-    """Log what parallelize built (epl.summary) at INFO through the "epl" logger."""
+    """Log what parallelize built (epl.observability.summary) at INFO through the "epl" logger."""
     logger = logging.getLogger(__name__)
     if not logger.isEnabledFor(logging.INFO):
         return

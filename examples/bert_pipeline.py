@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 import epl
-from epl.progress import ProgressHook
+from epl.observability.progress import ProgressHook
 
 MASK_ID = 0
 GROUP = 8   # tokens of one sequence come from one group of GROUP consecutive ids

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import epl
-from epl.progress import ProgressHook
+from epl.observability.progress import ProgressHook
 import epl.layers as layers
 
 FEATURES, HIDDEN = 32, 64

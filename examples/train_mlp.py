@@ -17,7 +17,7 @@ prototype, so the loss falls well below log(num_classes).
 
 Output: a first line at once, EPL's summary of the parallel graph (logged at
 INFO), then the step, the loss and samples/s every --log-every steps and at
-the last step, and an end summary (epl.progress.ProgressHook). With
+the last step, and an end summary (epl.observability.progress.ProgressHook). With
 --logdir, TensorBoard shows the parallel graph, samples/sec and the loss.
 """
 import argparse
@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import epl
-from epl.progress import ProgressHook
+from epl.observability.progress import ProgressHook
 
 FEATURES, CLASSES, HIDDEN = 64, 10, 256
 

@@ -452,7 +452,7 @@ def reference(builder, batch_size: int, examples: dict, steps: int = 3):
 
 def assert_matches(result, reference_and_floor, amp: bool = False) -> None:
     """`result` equals the reference within the noise-floor tolerance (AMP: within
-    float16's tolerance, as tests/test_amp.py)."""
+    float16's tolerance, as tests/passes/test_amp.py)."""
     from conftest import ATOL, NOISE_FACTOR, RTOL
     (losses, values, _), floor = reference_and_floor
     assert sorted(result[1]) == sorted(values)

@@ -19,7 +19,7 @@ import types
 
 # tf.compat.v1.layers (legacy Keras, tf-keras) needs this before TensorFlow is imported.
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-# The structural invariants (graph_passes/verify.py) are checked after every pass in
+# The structural invariants (epl/passes/verify.py) are checked after every pass in
 # every test, and in the workers the tests start (they inherit the environment); a
 # test that sets debug.check_invariants in its config dict overrides this.
 os.environ.setdefault("EPL_DEBUG_CHECK_INVARIANTS", "1")

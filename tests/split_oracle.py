@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import epl
 from epl import env
-from epl.sharded_variable import full_values
+from epl.checkpoint.sharded_variable import full_values
 
 ROWS = 8          # rows a step consumes (the reference's batch)
 REPLICAS = 4      # 4 virtual devices, one-device replicas

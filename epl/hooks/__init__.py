@@ -8,11 +8,11 @@ parallel (the layer between EPL's API and its driver, epl/parallel.py).
   graph, MonitoredTrainingSession's scaffold) and run time (fetches of merged
   tensors, feeds, variable sync, bounded multi-worker runs).
 - Savers: checkpoints of split variables under their single-device names
-  (epl.sharded_variable).
+  (epl.checkpoint.sharded_variable).
 
 `install()` (called by `epl.init`) wraps TensorFlow's methods, once.
 """
-from epl import sharded_variable
+from epl.checkpoint import sharded_variable
 from epl.hooks import optimizer, session
 
 

@@ -29,7 +29,7 @@ from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
 from epl.ir.autodiff import inside_internal_autodiff, internal_autodiff
 from epl.ir.taskgraph import TrainStep, graph_state
 from epl.parallel import run_gradient_time_pipeline
-from epl.sharded_variable import expand_views
+from epl.checkpoint.sharded_variable import expand_views
 from epl.strategies import check_graph_mode
 
 _Optimizer = tf.compat.v1.train.Optimizer
@@ -78,13 +78,13 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
 
 
 def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
-    """Run the split pass (graph_passes/split.py) on the finished forward graph,
+    """Run the split pass (epl/passes/split/split.py) on the finished forward graph,
     when the graph has split TaskGraphs not split yet.
 
     Returns the variables to differentiate: var_list (None: the trainable
     collection and trainable resource variables, as the optimizer reads them)
     with every variable the split pass sharded replaced by its shards
-    (epl.sharded_variable: the user's variable object is a view of its
+    (epl.checkpoint.sharded_variable: the user's variable object is a view of its
     shards), also for an optimizer created after an earlier split. A graph
     without split variables gets var_list unchanged.
     """

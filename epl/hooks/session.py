@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
 from epl.ir.graph_view import ancestors
-from epl.ir.recompute import gradient_difference, gradient_pairs
+from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
 from epl.ir.taskgraph import graph_state
 from epl.parallel import ParallelGraph, needs_parallelize, parallel_graph, parallelize
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES

@@ -183,7 +183,7 @@ class OpCopier:
     copy(op) writes op's copy; substitute(op, node_def) writes another op in
     its place (its inputs from `inputs()`); commit() adds them to the graph and
     returns {old op: new op}. Used directly when a copy needs a substitute op
-    (graph_passes/replicate.py), otherwise through `clone_ops`.
+    (epl/passes/replication/replicate.py), otherwise through `clone_ops`.
     """
 
     def __init__(self, graph: tf.Graph, prefix: str, device_fn: Callable[[tf.Operation], str],

@@ -1,7 +1,7 @@
 """Collective ops recognised by type, and the bytes they move.
 
-One list of op types shared by the parallel-graph summary (`epl.summary`),
-the trace (`epl.runtime.trace`) and `epl-dump`: TensorFlow's collective ops
+One list of op types shared by the parallel-graph summary (`epl.observability.summary`),
+the trace (`epl.observability.trace`) and `epl-dump`: TensorFlow's collective ops
 (V1, V2, V3), NCCL's and Horovod's. A collective is recognised by its op
 type only, never by its name.
 

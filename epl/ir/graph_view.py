@@ -29,7 +29,7 @@ Rules, in the order they are applied:
   to one other TaskGraph (a custom optimizer's slots, created outside every scope
   in its apply_gradients): it and the ops that take its handle belong to that one.
 - Split TaskGraphs (epl.split, rewritten at gradient time by
-  graph_passes/split.py): their forward ops ("split ops") run once over the
+  epl/passes/split/split.py): their forward ops ("split ops") run once over the
   global batch, on their own devices, and are not copied per replica; the
   variables they read (the shards) are not mirrored, and the updates of those
   variables ("split apply ops": apply ops that take such a variable) run once.

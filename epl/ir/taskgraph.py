@@ -45,7 +45,7 @@ class TrainStep:
       aggregation_method, grad_loss, sparse_as_dense), so passes can rebuild
       the gradients of a copy of the forward graph the same way.
     backward_ops: the ops compute_gradients created, in creation order (the
-      template that epl.ir.backward_copy copies for each replica).
+      template that epl.passes.replication.backward_copy copies for each replica).
     A step recorded from `tf.gradients` (epl/hooks/optimizer.py) has no train
     op until analysis finds the updates its gradients feed
     (epl.ir.graph_view.derive_train_op).
@@ -73,7 +73,7 @@ class GraphState:
     default_spec: StrategySpec | None = None
     default_scope_exit: Any = None
     train_steps: list[TrainStep] = dataclasses.field(default_factory=list)
-    # graph_passes/split.SplitRecord per split TaskGraph, written at gradient time
+    # epl/passes/split.SplitRecord per split TaskGraph, written at gradient time
     splits: list = dataclasses.field(default_factory=list)
     dumps_written: int = 0   # pass dumps written before parallelize (the split pass)
     parallelized: bool = False

@@ -651,7 +651,7 @@ def min_max_partition(costs: Sequence[float], num_stages: int, *,
 
     The one stage-partition dynamic programme of EPL: pipeline cuts over
     layers (`balance_stages`) and over a graph's ops
-    (graph_passes/auto_stages.py).
+    (epl/passes/pipeline/auto_stages.py).
 
     Args:
         costs: per position (layer, op), in order, its cost.
@@ -873,7 +873,7 @@ def min_penalty_cuts(costs: list[float], allowed: list[int], penalty: list[tuple
     """K - 1 cut positions from `allowed` minimising the sum of penalty[p] over the
     cuts, every stage's time (cost / speed) at most `ceiling`; None if none fits.
 
-    The tie-break of automatic stages (graph_passes/auto_stages.py): among the
+    The tie-break of automatic stages (epl/passes/pipeline/auto_stages.py): among the
     partitions within a tolerance of `min_max_partition`'s slowest stage, the one
     whose cuts cost least (penalties are tuples, compared in order). A cut at
     position p ends a stage after position p; stage j's time is its cost / speeds[j].

@@ -11,7 +11,7 @@ op names -- and runs nothing.
 - `memory_estimate(...)` estimates per group the bytes of parameters,
   gradients, optimizer slots and activations kept for the backward pass.
 - `predict_time`, `op_overhead_time` and `comm_time` turn costs into
-  seconds on a `epl.profiles.DeviceProfile` (roofline, per-op executor
+  seconds on a `epl.planner.profiles.DeviceProfile` (roofline, per-op executor
   overhead and ring all-reduce models);
   they, `GroupCost`, `optimizer_slots` and `checkpointed_bytes` live in
   the TensorFlow-free `epl.planner.roofline` and are re-exported here.
@@ -643,7 +643,7 @@ def graph_cost(graph: tf.Graph | tf.compat.v1.GraphDef,
 # memory_estimate.
 # --------------------------------------------------------------------------
 
-# AMP O1 (graph_passes/amp.py) runs these op types in low precision; their
+# AMP O1 (epl/passes/amp.py) runs these op types in low precision; their
 # gradients are products of the same kinds (plus the filter/input backprops).
 AMP_LOW_PRECISION_TYPES = frozenset({
     "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",

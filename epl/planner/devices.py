@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from epl.errors import ClusterError
-from epl.profiles import DeviceProfile, HostNetwork, HostSpec
+from epl.planner.profiles import DeviceProfile, HostNetwork, HostSpec
 
 #: Device index runs: (first, end) pairs, end exclusive, sorted.
 Runs = tuple[tuple[int, int], ...]

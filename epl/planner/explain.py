@@ -17,7 +17,7 @@ from epl.planner.devices import DeviceLayout, merge_runs, runs_count, runs_text
 from epl.planner.model_spec import ModelSpec
 from epl.planner.results import CHOICE_TOLERANCE, Alternative, DeviceLoad
 from epl.planner.step_cost import _cluster_link, _slowest_link
-from epl.profiles import HostNetwork
+from epl.planner.profiles import HostNetwork
 
 def _ms(seconds: float) -> str:
     """Seconds as milliseconds: one decimal, or 3 significant digits below

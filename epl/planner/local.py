@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epl import profiles as profiles_lib
+from epl.planner import profiles as profiles_lib
 from epl.errors import ClusterError
 from epl.planner import balance
 from epl.planner import roofline as cm
@@ -24,7 +24,7 @@ from epl.planner.model_spec import LayerSpec, ModelSpec
 from epl.planner.results import Alternative, PlanOptions
 from epl.planner.search import ClusterPlan, _as_model, plan_local_devices
 from epl.planner.step_cost import _totals
-from epl.profiles import DeviceProfile, normalize_dtype
+from epl.planner.profiles import DeviceProfile, normalize_dtype
 
 def replica_weights_for_local_devices(model: Any,
                                       profiles: Sequence[DeviceProfile],
@@ -40,7 +40,7 @@ def replica_weights_for_local_devices(model: Any,
         model: a TrainingView (preferred: phases, TaskGraphs and batch size
             come from the analysis), a tf.Graph/GraphDef or a ModelSpec.
         profiles: one profile per local device, in device order (e.g.
-            `epl.profiles.virtual_cpu_profiles(n, cluster.device_profiles)`).
+            `epl.planner.profiles.virtual_cpu_profiles(n, cluster.device_profiles)`).
         global_batch: the global batch size; default the model's static
             batch.  When unknown, shares follow capability alone (no
             memory check, not rounded to whole examples).

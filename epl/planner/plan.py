@@ -17,14 +17,14 @@ import dataclasses
 import math
 from typing import Any
 
-from epl.cluster import Cluster
+from epl.runtime.cluster import Cluster
 from epl.errors import ClusterError
 from epl.ir.taskgraph import TaskGraph
 from epl.planner import local
 from epl.planner.balance import stage_device_order
 
 # stage_device_order is balance's (one order for the search and the runtime), also
-# importable from here (graph_passes/auto_stages.py imports it from this module).
+# importable from here (epl/passes/pipeline/auto_stages.py imports it from this module).
 __all__ = ["Plan", "make_local_plan", "make_plan", "split_layout", "stage_device_order"]
 
 

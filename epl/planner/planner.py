@@ -3,7 +3,7 @@
 `plan_cluster(model, hosts, optimizer, global_batch, options)` takes a model
 (a tf.Graph / GraphDef / analysed TrainingView, or a `ModelSpec` describing
 the model as a list of layer costs), a cluster (a list of
-`epl.profiles.HostSpec`, or a cluster string such as "2x8xV100-32GB,2x8xT4")
+`epl.planner.profiles.HostSpec`, or a cluster string such as "2x8xV100-32GB,2x8xT4")
 and returns a `ClusterPlan`: for each alternative it considered, the work,
 memory and predicted time of every device, and whether it fits; the fastest
 alternative that fits is chosen.  `ClusterPlan.explain()` is what `epl-plan`
@@ -43,7 +43,7 @@ The model of one device
 - Memory: parameters, gradients (as large as the parameters), optimizer
   slots (`cost_model.optimizer_slots` per parameter, in the parameters'
   dtype) and activations kept for the backward pass.  ZeRO (stage 1, as
-  graph_passes/zero.py builds it) divides the optimizer slots and the update
+  epl/passes/zero.py builds it) divides the optimizer slots and the update
   of replicated parameters by the number of data-parallel devices; each
   device keeps its full gradients and adds a working copy of its parameter
   shard (1/n of the parameters).  Gradient checkpointing keeps about sqrt(n)

@@ -17,7 +17,7 @@ from typing import Any
 from epl.errors import ConfigError
 from epl.planner import roofline as cm
 from epl.planner.devices import ClusterDevice, Runs
-from epl.profiles import PCIE3_X16
+from epl.planner.profiles import PCIE3_X16
 
 #: some; profiles.py asks the planner to keep headroom).
 DEFAULT_USABLE_FRACTION = 0.95

@@ -7,7 +7,7 @@ built-in analytic model (``epl-plan --model``) never imports TensorFlow:
 - `GroupCost`, the summed cost of a group of ops;
 - `predict_time` (roofline), `op_overhead_time` (per-op executor cost) and
   `comm_time` (ring all-reduce), seconds on an
-  `epl.profiles.DeviceProfile`;
+  `epl.planner.profiles.DeviceProfile`;
 - `optimizer_slots` / `OPTIMIZER_SLOTS` and `APPLY_OPS` (per-parameter
   FLOPs and slots of optimizer apply ops);
 - `checkpointed_bytes`, activations kept under gradient checkpointing.
@@ -136,7 +136,7 @@ def predict_time(cost: Any, profile: Any,
     max(flops / (peak_flops[dtype] * efficiency),
         bytes / (memory_bandwidth * memory_efficiency)).
     `cost` is a GroupCost or cost_model.OpCost (anything with `flops`
-    and `bytes`); `profile` is an epl.profiles.DeviceProfile.
+    and `bytes`); `profile` is an epl.planner.profiles.DeviceProfile.
     """
     if not 0 < efficiency <= 1 or not 0 < memory_efficiency <= 1:
         raise ConfigError(f"efficiencies must be in (0, 1], got "

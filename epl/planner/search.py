@@ -30,7 +30,7 @@ from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
                                    merge_op_counts,
                                    _ring_link,
                                    _slowest_link, _totals)
-from epl.profiles import (DeviceProfile, HostSpec, normalize_dtype, parse_cluster,
+from epl.planner.profiles import (DeviceProfile, HostSpec, normalize_dtype, parse_cluster,
                           replica_speedup)
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
     share = units / ctx.model.split_units if ctx.model.split_units else 0.0
     dense, split = totals.params, totals.split_params * share
     dense_sharded = dense / n if zero else dense
-    # ZeRO stage 1 as graph_passes/zero.py builds it: full gradients, slots and
+    # ZeRO stage 1 as epl/passes/zero.py builds it: full gradients, slots and
     # update sharded, plus a working copy of the device's parameter shard
     params = dense + split + (dense_sharded if zero else 0.0)
     grads = dense + split

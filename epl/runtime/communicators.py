@@ -33,7 +33,7 @@ import dataclasses
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from epl.cluster import physical_gpu_count
+from epl.runtime.cluster import physical_gpu_count
 from epl.runtime.collective_check import exchange_bytes
 from epl.runtime.horovod_comm import HorovodCommunicator
 

@@ -41,7 +41,7 @@ def horovod():
     except ImportError as err:  # pragma: no cover - CI builds Horovod
         raise ClusterError(
             "multi-worker training needs Horovod, which is not importable here "
-            f"({err}). Run `make setup` (it builds Horovod with tools/build_horovod.sh).") from err
+            f"({err}). Run `make setup` (it builds Horovod with scripts/build_horovod.sh).") from err
     if not hvd.is_initialized():
         hvd.init()
     return hvd

@@ -23,7 +23,7 @@ import tensorflow as tf
 import epl
 import epl.layers as layers
 from common import global_batch, my_rows, write_record
-from epl.sharded_variable import full_values
+from epl.checkpoint.sharded_variable import full_values
 from epl import env
 
 STEPS = 3

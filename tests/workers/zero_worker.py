@@ -16,7 +16,7 @@ import tensorflow as tf
 import epl
 from common import global_batch, my_rows, write_record
 from epl import env
-from graph_passes.zero import optimizer_state_bytes
+from epl.passes.zero import optimizer_state_bytes
 from oracle_worker import STEPS, build
 
 

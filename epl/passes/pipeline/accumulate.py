@@ -1,0 +1,153 @@
+"""Gradient accumulation over micro-batches: each replica's M micro-batch gradients -> one.
+
+With `pipeline.num_micro_batch` M > 1, the replicate pass built M backward
+copies per replica and wired the replica's updates to micro-batch 0's
+gradients. This pass adds, per replica and variable, the M gradients weighted
+by each micro-batch's share of the replica's examples (`accumulate`), and the
+readers of micro-batch 0's gradient (the updates, or the ops the script put
+between compute_gradients and apply_gradients, such as clipping) read the sum
+instead (epl/passes/gradient_flow.py: gradients flow one way).
+
+Result (ctx.accumulation, an `Accumulation`): the accumulated gradients, and
+per (replica, micro-batch) the accumulation ops that are that micro-batch's
+work (the schedule pass runs them in its backward step).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from epl.ir import graph_mutation
+from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
+from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes import gradient_flow
+from epl.passes.gradient_flow import ReplicaGradients
+
+
+def num_micro_batches(config) -> int:
+    """`pipeline.num_micro_batch` (at least 1)."""
+    return max(1, int(config.get("pipeline.num_micro_batch")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """What the accumulate pass built.
+
+    gradients: each replica's accumulated gradients (gradient_flow.ReplicaGradients).
+    ops: (replica, micro-batch) -> the accumulation ops that are that micro-batch's
+      work (the add of its gradient; the last micro-batch's also the final scaling).
+    """
+
+    gradients: ReplicaGradients
+    ops: dict
+
+
+class AccumulatePass(GraphPass):
+    """Sums each replica's micro-batch gradients into one, weighted by their shares."""
+
+    name = "accumulate"
+    requires = ("replicate",)   # reads every unit's gradients
+    off_note = "one micro-batch per replica (pipeline.num_micro_batch is 1): nothing to add"
+
+    def enabled(self, config) -> bool:
+        """pipeline.num_micro_batch > 1."""
+        return num_micro_batches(config) > 1
+
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        replication = ctx.replication
+        micro = replication.num_micro_batches
+        replicas = len(replication.micro_scales)
+        first_new = len(graph.get_operations())
+        per_replica, ops = [], {}
+        for k in range(replicas):
+            per_micro = [replication.unit_gradients[(k, m)] for m in range(micro)]
+            taken = [None if g is None else gradient_flow.readers(g) for g in per_micro[0]]
+            accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k])
+            for first, total, readers in zip(per_micro[0], accumulated, taken):
+                if first is not None:
+                    gradient_flow.rewire(first, total, readers)
+            per_replica.append(accumulated)
+            ops.update({(k, m): list(new) for m, new in ops_of.items()})
+        index = {id(grad): i for i, (grad, _) in enumerate(ctx.view.gradients)}
+        entries = [(var, [per_replica[k][index[id(original)]] for k in range(replicas)], original)
+                   for var, _, original in replication.gradients]
+        # split TaskGraphs run one micro-batch (the replicate pass refuses more): unchanged
+        ctx.accumulation = Accumulation(ReplicaGradients(entries,
+                                                         list(replication.split_gradients)), ops)
+        added = [op.name for op in graph.get_operations()[first_new:]]
+        return PassResult(added=added, notes=[
+            f"{micro} micro-batch gradients per variable added per replica, over {replicas} "
+            "replica(s), weighted by each micro-batch's share of its replica's examples"])
+
+
+def accumulate(per_micro: list[list], replica: int, scales: list | None = None
+               ) -> tuple[list, dict]:
+    """One gradient per variable from the gradients of every micro-batch.
+
+    per_micro[m][i] is micro-batch m's gradient of variable i; scales[m] is
+    micro-batch m's share of the replica's examples (default 1/M each). The
+    result is the sum over m, in micro-batch order, of scales[m] x g_m: the
+    gradient of the mean loss over the replica's examples. With equal shares
+    (every static batch) it is computed as (1/M) x (g_0 + ... + g_{M-1}); with
+    shares known only at run time (a dynamic batch dimension) each g_m is
+    weighted before it is added. It is placed on the device of micro-batch 0's
+    gradient, tagged with its TaskGraph, phase "backward" and the replica.
+
+    The sum is a chain of adds, ((g0 + g1) + g2) + ..., not one AddN, and the
+    add of g_m is tagged as micro-batch m's work (`_epl_micro_batch` = m; the
+    final scaling is micro-batch M - 1's): the schedule pass puts it into that
+    micro-batch's backward step, so g_m is freed as soon as it is added and the
+    accumulator costs one gradient's memory whatever M is. (The step's control
+    edges also keep Grappler from merging the chain back into one AddN, which
+    would keep every micro-batch's gradient alive until the last one.) Sparse
+    gradients (tf.IndexedSlices) are concatenated, with scaled values, at the
+    last micro-batch.
+
+    Returns (gradients, {m: ops added for micro-batch m}).
+    """
+    micro = len(per_micro)
+    if micro == 1:
+        return per_micro[0], {}
+    scales = list(scales) if scales is not None else [1.0 / micro] * micro
+    equal = all(isinstance(x, float) for x in scales) and len(set(scales)) == 1
+    scale = scales[0]
+    accumulated, ops_of = [], {m: [] for m in range(micro)}
+    for parts in zip(*per_micro):
+        first = parts[0]
+        if first is None:
+            accumulated.append(None)
+            continue
+        source = first.values.op if isinstance(first, tf.IndexedSlices) else first.op
+        graph = source.graph
+
+        def tagged(m, build):
+            start = len(graph.get_operations())
+            with tf.device(source.device), tf.name_scope("EPL_ACCUMULATE"):
+                result = build()
+            for new in graph.get_operations()[start:]:
+                for name in (TASKGRAPH_ATTR, PHASE_ATTR):
+                    if name in source.node_def.attr:
+                        graph_mutation.set_attr(new, name, source.node_def.attr[name])
+                graph_mutation.set_attr(new, REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
+                graph_mutation.set_attr(new, MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=m))
+                ops_of[m].append(new)
+            return result
+
+        if isinstance(first, tf.IndexedSlices):
+            total = tagged(micro - 1, lambda: tf.IndexedSlices(
+                tf.concat([p.values * tf.cast(x, first.dtype) for p, x in zip(parts, scales)],
+                          axis=0),
+                tf.concat([p.indices for p in parts], axis=0), first.dense_shape))
+        elif equal:
+            total = parts[0]
+            for m in range(1, micro):
+                total = tagged(m, lambda t=total, p=parts[m]: t + p)
+            total = tagged(micro - 1, lambda t=total: t * tf.cast(scale, first.dtype))
+        else:
+            total = tagged(0, lambda: parts[0] * tf.cast(scales[0], first.dtype))
+            for m in range(1, micro):
+                total = tagged(m, lambda t=total, p=parts[m], x=scales[m]:
+                               t + p * tf.cast(x, first.dtype))
+        accumulated.append(total)
+    return accumulated, ops_of

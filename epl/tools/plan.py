@@ -1,0 +1,597 @@
+"""`epl-plan`: the dry-run planner, with no accelerator.
+
+    epl-plan --cluster SPEC (--model NAME | --graph FILE | --script FILE
+             [-- SCRIPT_ARGS...]) [--optimizer adam] [--global-batch N]
+             [--dtype float32|float16] [--offload] [--pipeline-stages S]
+             [--micro-batches M] [--efficiency E] [--profiles JSON]
+             [--json]
+    epl-plan --calibrate [--output FILE]
+
+SPEC is a cluster string such as "2x8xV100-32GB,2x8xT4" (HOSTS x DEVICES x
+PROFILE tokens; see epl.planner.profiles.parse_cluster).  A token may end with its
+hosts' network, "@NICSxRATE" or "@RATE" with RATE in Gbps, Gb/s, GBps or
+GB/s, e.g. "2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps" (DGX A100-like hosts
+with eight 200 Gb/s NICs each, T4 hosts with one 100 Gb/s NIC); without
+one, a host has one NIC at its profile's inter-node bandwidth (100 Gb/s).
+The model comes from
+
+- ``--model NAME``: a built-in synthetic description, so that the tool runs
+  with nothing else: "bert-base" (12-layer BERT, sequence 128),
+  "resnet50" (ResNet-50 v1.5 on 224x224 images), "m6-mini" (a 12-layer
+  mixture-of-experts transformer with 32 experts per layer, ~1.9 B
+  parameters) and "m6-10t" (a 24-layer mixture-of-experts transformer with
+  3072 experts per layer, ~9.9 T parameters in 16-bit, M6-10T's scale).
+  They are described analytically, layer by layer (FLOPs, activation and
+  parameter bytes), not built as TensorFlow graphs.
+- ``--graph FILE``: a saved GraphDef (.pbtxt or .pb), e.g. a pass dump of
+  ``debug.dump_dir``; one layer per TaskGraph (``_epl_taskgraph``).
+- ``--script FILE``: a training script, run in this process until it
+  creates its first session (tf.compat.v1.Session, MonitoredTrainingSession,
+  or an explicit epl.parallelize()); EPL's rewrite never runs.  The graph it
+  built is planned, with its epl.init config's ``cluster.device_profiles``
+  as profile overrides.  Arguments after ``--`` go to the script.
+
+It prints the model, the cluster and each host group's network, the chosen
+plan with a table of one row per group of identical devices doing the same
+(device and host ranges, count, batch share, shards, stage, parameter,
+gradient, optimizer-state and activation memory against the usable memory,
+in B/KiB/MiB/GiB chosen per value, predicted compute and communication time
+per step), and every alternative it considered with its predicted step time
+or the constraint that ruled it out.  The chosen plan is the earliest
+listed alternative that fits and is within 3% of the fastest one's step
+time (a simplicity margin: ZeRO or checkpointing must be more than 3%
+faster to be chosen, the cost model is not more precise than that); a
+faster alternative inside the margin says so.  Op types the cost model does
+not know (a graph's) are named with their counts.  ``--json`` prints the
+same as JSON (`ClusterPlan.as_dict`).
+
+Identical hosts (same profile, device count and network) are planned as
+one group, so a cluster of 100,000 hosts plans in seconds.  ``--model``
+never imports TensorFlow; ``--graph`` and ``--script`` do.
+
+``--calibrate`` measures this machine's "CPU" profile with TensorFlow's
+micro-benchmark (`epl.planner.profiles.calibrate_cpu_profile`: a training step's
+fixed, per-op, costly-kernel, FLOP and optimizer costs fitted on reference
+training steps, memory bandwidth, the local collectives' latency and
+bandwidth, the input reads and the replicas' sync) and prints it, or
+writes it to ``--output FILE``, as the JSON object that ``--profiles
+FILE`` and ``cluster.device_profiles`` accept (``{"CPU": {...}}``; virtual
+CPU devices share it).  Giving that file skips
+the measurement every process would otherwise make, and lets every worker
+plan with the same figures.  GPU profiles keep their published figures.
+
+Errors (a cluster string that does not parse, an unknown device profile, a
+model that fits nowhere, a missing or unreadable file, a script that builds
+no graph) print "epl-plan: error: ..." and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from epl.errors import EPLError
+from epl.planner.planner import LayerSpec, ModelSpec
+
+GiB = float(1 << 30)
+#: Sub-word vocabularies of the built-ins: BERT's English WordPiece and the
+#: Chinese BERT vocabulary M6 uses.
+BERT_VOCAB, M6_VOCAB = 30522, 21128
+
+
+# --------------------------------------------------------------------------
+# Built-in model descriptions.
+# --------------------------------------------------------------------------
+
+def _dtype_bytes(dtype: str) -> int:
+    """Bytes of an activation element under `dtype`."""
+    return 2 if dtype in ("float16", "bfloat16") else 4
+
+
+def transformer_layer(name: str, seq: int, hidden: int, heads: int,
+                      ffn: int, dtype: str = "float32", experts: int = 0,
+                      param_bytes: int = 4) -> LayerSpec:
+    """One transformer encoder layer (post-LN BERT layout) as a LayerSpec.
+
+    FLOPs per example (a sequence of `seq` tokens), multiply-add = 2:
+    QKV and output projections 8*s*h^2, attention scores and context
+    4*s^2*h, the FFN 4*s*h*f, softmax 5*a*s^2, layer norms, GELU and
+    residuals about 20*s*h + 8*s*f; backward twice the forward.
+    Activations kept for backward (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", in 16-bit with
+    1-byte dropout masks): s*h*(18 + 4*f/h) + 5*a*s^2 bytes, scaled by the
+    element size / 2.  With `experts` > 0 the FFN is a mixture of experts
+    with top-1 routing: its parameters (times `experts`), FLOPs and
+    activations are the layer's split part, plus a router (h x experts) and
+    an all-to-all of each token's hidden vector (dispatch and combine,
+    forward and backward).
+    """
+    s, h, a, f = seq, hidden, heads, ffn
+    scale = _dtype_bytes(dtype) / 2
+    attn_flops = 8 * s * h * h + 4 * s * s * h + 5 * a * s * s + 20 * s * h
+    ffn_flops = 4 * s * h * f + 8 * s * f
+    attn_act = (15 * s * h + 5 * a * s * s) * scale
+    ffn_act = (3 * s * h + 4 * s * f) * scale
+    attn_params = (4 * h * h + 4 * h + 4 * h) * param_bytes
+    ffn_params = (2 * h * f + f + h) * param_bytes
+    if not experts:
+        return LayerSpec(
+            name, flops_per_example=3 * (attn_flops + ffn_flops),
+            bytes_per_example=4 * (attn_act + ffn_act),
+            activation_bytes_per_example=attn_act + ffn_act,
+            parameter_bytes=attn_params + ffn_params)
+    router_flops = 2 * s * h * experts
+    return LayerSpec(
+        name, flops_per_example=3 * (attn_flops + router_flops),
+        bytes_per_example=4 * attn_act,
+        activation_bytes_per_example=attn_act,
+        parameter_bytes=attn_params + h * experts * param_bytes,
+        split_parameter_bytes=experts * ffn_params,
+        split_flops_per_example=3 * ffn_flops,
+        split_bytes_per_example=4 * ffn_act,
+        split_activation_bytes_per_example=ffn_act,
+        alltoall_bytes_per_example=4 * s * h * _dtype_bytes(dtype))
+
+
+def _embedding(name: str, vocab: int, seq: int, hidden: int, dtype: str,
+               param_bytes: int = 4) -> LayerSpec:
+    """Token + position embeddings with a layer norm."""
+    act = 2 * seq * hidden * _dtype_bytes(dtype)
+    return LayerSpec(name, flops_per_example=3 * 10 * seq * hidden,
+                     bytes_per_example=4 * act,
+                     activation_bytes_per_example=act,
+                     parameter_bytes=(vocab + seq + 4) * hidden * param_bytes)
+
+
+def _lm_head(name: str, vocab: int, predictions: int, hidden: int,
+             dtype: str, param_bytes: int = 4) -> LayerSpec:
+    """Masked-LM head on `predictions` positions (decoder tied to the
+    embedding: only its bias and the transform are parameters here)."""
+    flops = 2 * predictions * hidden * (hidden + vocab) + \
+        8 * predictions * vocab
+    act = predictions * (2 * hidden + 2 * vocab) * _dtype_bytes(dtype)
+    return LayerSpec(name, flops_per_example=3 * flops,
+                     bytes_per_example=4 * act,
+                     activation_bytes_per_example=act,
+                     parameter_bytes=(hidden * hidden + 3 * hidden + vocab
+                                      + hidden * hidden + 2 * hidden)
+                     * param_bytes)
+
+
+def bert_base(dtype: str = "float32", seq: int = 128) -> ModelSpec:
+    """BERT-base pre-training (~110 M parameters), sequences of `seq`."""
+    h = 768
+    layers = [_embedding("embeddings", BERT_VOCAB, seq, h, dtype)]
+    layers += [transformer_layer(f"layer_{i}", seq, h, 12, 4 * h, dtype)
+               for i in range(12)]
+    layers.append(_lm_head("mlm_head", BERT_VOCAB, 20, h, dtype))
+    return ModelSpec("bert-base", tuple(layers), compute_dtype=dtype)
+
+
+def _conv(h_out: int, c_in: int, c_out: int, k: int, dsize: int
+          ) -> tuple[float, float, float, float]:
+    """(forward FLOPs, activation bytes, traffic bytes, params) of a conv
+    with batch norm and ReLU, per image."""
+    out = h_out * h_out * c_out
+    flops = 2 * out * k * k * c_in + 8 * out  # conv + BN (7) + ReLU (1)
+    act = 2 * out * dsize  # BN input and ReLU output
+    return flops, act, 6 * out * dsize, (k * k * c_in + 2) * c_out * 4
+
+
+def _block(name: str, size: int, c_in: int, mid: int, stride: int,
+           project: bool, dsize: int) -> LayerSpec:
+    """One ResNet v1.5 bottleneck block (stride on the 3x3 conv)."""
+    out = size // stride
+    parts = [_conv(size, c_in, mid, 1, dsize), _conv(out, mid, mid, 3, dsize),
+             _conv(out, mid, 4 * mid, 1, dsize)]
+    if project:
+        parts.append(_conv(out, c_in, 4 * mid, 1, dsize))
+    flops = sum(p[0] for p in parts) + out * out * 4 * mid  # residual add
+    act = sum(p[1] for p in parts)
+    return LayerSpec(name, flops_per_example=3 * flops,
+                     bytes_per_example=3 * sum(p[2] for p in parts),
+                     activation_bytes_per_example=act,
+                     parameter_bytes=sum(p[3] for p in parts))
+
+
+def resnet50(dtype: str = "float32") -> ModelSpec:
+    """ResNet-50 v1.5 on 224x224x3 images (~25.6 M parameters)."""
+    dsize = _dtype_bytes(dtype)
+    stem = _conv(112, 3, 64, 7, dsize)
+    layers = [LayerSpec("stem", flops_per_example=3 * stem[0],
+                        bytes_per_example=3 * stem[2],
+                        activation_bytes_per_example=stem[1]
+                        + 112 * 112 * 64 * dsize,  # max-pool input
+                        parameter_bytes=stem[3])]
+    size, c_in = 56, 64
+    for stage, (blocks, mid) in enumerate([(3, 64), (4, 128), (6, 256),
+                                           (3, 512)]):
+        for b in range(blocks):
+            stride = 2 if b == 0 and stage > 0 else 1
+            layers.append(_block(f"stage{stage + 1}_block{b + 1}", size, c_in,
+                                 mid, stride, b == 0, dsize))
+            size, c_in = size // stride, 4 * mid
+    layers.append(LayerSpec("head", flops_per_example=3 * 2 * 2048 * 1000,
+                            bytes_per_example=3 * 7 * 7 * 2048 * dsize,
+                            activation_bytes_per_example=(2048 + 1000) * 4,
+                            parameter_bytes=(2048 * 1000 + 1000) * 4))
+    return ModelSpec("resnet50", tuple(layers), compute_dtype=dtype)
+
+
+def m6_mini(dtype: str = "float32") -> ModelSpec:
+    """A small M6-style mixture-of-experts transformer: 12 layers, hidden
+    768, 32 experts of FFN 3072 per layer, sequences of 256 (~1.9 B
+    parameters)."""
+    seq, h, experts = 256, 768, 32
+    layers = [_embedding("embeddings", M6_VOCAB, seq, h, dtype)]
+    layers += [transformer_layer(f"moe_layer_{i}", seq, h, 12, 4 * h, dtype,
+                                 experts) for i in range(12)]
+    layers.append(_lm_head("lm_head", M6_VOCAB, seq, h, dtype))
+    return ModelSpec("m6-mini", tuple(layers), compute_dtype=dtype,
+                     split_units=experts)
+
+
+def m6_10t(dtype: str = "float16") -> ModelSpec:
+    """M6-10T's scale: 24 mixture-of-experts layers, hidden 4096, 32 heads,
+    3072 experts of FFN 16384 per layer (top-1), sequences of 512: about
+    9.9 trillion parameters.  Parameters, gradients and optimizer state are
+    held in 16-bit (2 bytes each), as multi-trillion-parameter training
+    with offload does; activations in `dtype`."""
+    seq, h, experts = 512, 4096, 3072
+    layers = [_embedding("embeddings", M6_VOCAB, seq, h, dtype, 2)]
+    layers += [transformer_layer(f"moe_layer_{i}", seq, h, 32, 4 * h, dtype,
+                                 experts, param_bytes=2) for i in range(24)]
+    layers.append(_lm_head("lm_head", M6_VOCAB, seq, h, dtype, 2))
+    return ModelSpec("m6-10t", tuple(layers), compute_dtype=dtype,
+                     parameter_dtype_bytes=2, split_units=experts,
+                     notes=("m6-10t: parameters, gradients and optimizer "
+                            "state in 16-bit",))
+
+
+#: name -> (builder(dtype), default dtype, default examples per device).
+BUILTIN_MODELS = {
+    "bert-base": (bert_base, "float32", 32),
+    "resnet50": (resnet50, "float32", 64),
+    "m6-mini": (m6_mini, "float32", 16),
+    "m6-10t": (m6_10t, "float16", 2),
+}
+
+
+def builtin_model(name: str, dtype: str | None = None) -> ModelSpec:
+    """The built-in model `name` ("bert-base", "resnet50", "m6-mini",
+    "m6-10t") in `dtype` (default: the model's own)."""
+    key = name.strip().lower().replace("_", "-")
+    key = {"bert": "bert-base", "resnet-50": "resnet50",
+           "m610t": "m6-10t"}.get(key, key)
+    if key not in BUILTIN_MODELS:
+        raise PlanInputError(f"unknown built-in model {name!r}; choose one "
+                             f"of {sorted(BUILTIN_MODELS)}")
+    builder, default_dtype, _ = BUILTIN_MODELS[key]
+    return builder(dtype or default_dtype)
+
+
+def default_batch_per_device(name: str) -> int:
+    """Examples per device the built-in `name` defaults to."""
+    return BUILTIN_MODELS[name][2]
+
+
+# --------------------------------------------------------------------------
+# Capturing a training script's graph.
+# --------------------------------------------------------------------------
+
+class PlanInputError(EPLError):
+    """A problem with epl-plan's inputs (file, script, model name)."""
+
+
+class StopScript(BaseException):
+    """Raised inside a training script when it starts a session.
+
+    A BaseException so that the script's own `except Exception` blocks do
+    not swallow it.
+    """
+
+    def __init__(self, graph: Any) -> None:
+        super().__init__("epl-plan stops the script at its first session")
+        self.graph = graph
+
+
+def _stopper(kind: str):
+    """A replacement for a session constructor that stops the script."""
+    def stop(self, *args: Any, **kwargs: Any) -> None:
+        import tensorflow as tf
+        self._session = None  # so BaseSession.__del__ stays quiet
+        graph = kwargs.get("graph")
+        if graph is None and kind == "session" and len(args) >= 2:
+            graph = args[1]
+        raise StopScript(graph or tf.compat.v1.get_default_graph())
+    return stop
+
+
+def _stop_parallelize(graph: Any = None, *args: Any, **kwargs: Any) -> None:
+    """Replacement for epl.parallelize: stop with the graph."""
+    import tensorflow as tf
+    raise StopScript(graph or tf.compat.v1.get_default_graph())
+
+
+def capture_script_graph(path: str, argv: Sequence[str] = ()
+                         ) -> tuple[Any, Any]:
+    """Run the training script `path` until it creates a session.
+
+    EPL is initialised with defaults first (so the optimizer hooks tag the
+    graph even when the script never calls epl.init); the script's own
+    epl.init replaces that config.  Session constructors and
+    epl.parallelize are patched to raise StopScript, so EPL's rewrite never
+    runs.  The script runs inside a fresh default graph with eager
+    execution left as it is (tf.compat.v1.disable_eager_execution is a
+    no-op meanwhile); sys.argv, the EPL config and the patches are restored
+    afterwards.
+
+    Returns:
+        (graph, config): the graph the script built and the EPL config it
+        set.
+
+    Raises:
+        PlanInputError: the file does not exist, the script failed, or it
+            built no graph.
+    """
+    if not os.path.isfile(path):
+        raise PlanInputError(f"training script {path!r} does not exist")
+    import tensorflow as tf
+
+    import epl
+    from epl import api, env, parallel
+    from tensorflow.python.training import monitored_session
+    saved_config = env._ENV["config"]
+    saved_argv = sys.argv
+    original_init = api.init
+
+    def reinit(config=None):
+        env.reset()
+        return original_init(config)
+
+    patches = [
+        (tf.compat.v1.Session, "__init__", _stopper("session")),
+        (tf.compat.v1.InteractiveSession, "__init__", _stopper("session")),
+        (monitored_session._MonitoredSession, "__init__",
+         _stopper("monitored")),
+        (tf.compat.v1, "disable_eager_execution", lambda *a, **k: None),
+        (epl, "parallelize", _stop_parallelize), (api, "parallelize", _stop_parallelize),
+        (parallel, "parallelize", _stop_parallelize),
+        (epl, "init", reinit), (api, "init", reinit),
+    ]
+    saved = [(obj, attr, obj.__dict__.get(attr, getattr(obj, attr)))
+             for obj, attr, _ in patches]
+    graph, config = tf.Graph(), None
+    try:
+        env.reset()
+        original_init()
+        for obj, attr, value in patches:
+            setattr(obj, attr, value)
+        sys.argv = [path, *argv]
+        with graph.as_default():
+            try:
+                runpy.run_path(path, run_name="__main__")
+            except StopScript as stop:
+                graph = stop.graph
+            except SystemExit as exit_:
+                if exit_.code not in (None, 0):
+                    raise PlanInputError(
+                        f"training script {path!r} exited with "
+                        f"{exit_.code!r} before creating a session") from None
+            except EPLError:
+                raise
+            except Exception as err:  # the script's own failure
+                raise PlanInputError(
+                    f"training script {path!r} failed before creating a "
+                    f"session: {type(err).__name__}: {err}") from err
+        config = env._ENV["config"]
+    finally:
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+        sys.argv = saved_argv
+        env._ENV["config"] = saved_config
+    if not graph.get_operations():
+        raise PlanInputError(f"training script {path!r} built no graph "
+                             f"before its first session")
+    return graph, config
+
+
+# --------------------------------------------------------------------------
+# The command line.
+# --------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    """The argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="epl-plan",
+        description="Dry-run planner: per-device work, memory and predicted "
+                    "time of a model on a cluster, with no accelerator.")
+    parser.add_argument("--cluster",
+                        help='cluster string, e.g. "2x8xV100-32GB,2x8xT4"; '
+                             'a token may end with its hosts\' network, '
+                             '"@NICSxRATE": "2x8xA100-80GB@8x200Gbps,'
+                             '2x8xT4@1x100Gbps" (default: one 100 Gb/s NIC '
+                             'per host)')
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--calibrate", action="store_true",
+                        help='measure this machine\'s "CPU" profile and '
+                             'print it (or write it to --output) as a '
+                             '--profiles file')
+    source.add_argument("--model", help="built-in model: "
+                        + ", ".join(sorted(BUILTIN_MODELS)))
+    source.add_argument("--graph", help="saved GraphDef (.pbtxt or .pb)")
+    source.add_argument("--script", help="training script to capture")
+    parser.add_argument("--optimizer", default=None,
+                        help="adam, sgd, momentum, ... (default: from the "
+                             "graph, else adam)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="examples per step (default: the graph's batch, "
+                             "else a per-model default per device)")
+    parser.add_argument("--dtype", default=None,
+                        choices=["float32", "float16", "bfloat16"],
+                        help="compute dtype (float16/bfloat16: mixed "
+                             "precision)")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep parameters and optimizer state in host "
+                             "memory")
+    parser.add_argument("--host-memory", type=float, default=None,
+                        help="host memory per device in GB (offload; "
+                             "default 192)")
+    parser.add_argument("--pipeline-stages", type=int, default=None,
+                        help="also consider a pipeline of this many stages")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="micro-batches per pipeline step (default 4)")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="fraction of peak FLOP/s reached (default 0.5)")
+    parser.add_argument("--profiles", default=None,
+                        help="cluster.device_profiles overrides as JSON, or "
+                             "a JSON file")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan as JSON (chosen plan, rows per "
+                             "group of identical devices, alternatives with "
+                             "their step time or the constraint that ruled "
+                             "them out, unknown op types)")
+    parser.add_argument("--output", default=None,
+                        help="--calibrate: the profile file to write")
+    parser.add_argument("script_args", nargs="*",
+                        help="arguments for --script (after --)")
+    return parser
+
+
+def _overrides(text: str | None) -> dict:
+    """--profiles: inline JSON or a JSON file."""
+    if not text:
+        return {}
+    try:
+        if os.path.isfile(text):
+            with open(text, encoding="utf-8") as handle:
+                value = json.load(handle)
+        else:
+            value = json.loads(text)
+    except (OSError, ValueError) as err:
+        raise PlanInputError(f"--profiles: cannot read {text!r} as JSON or "
+                             f"a JSON file: {err}") from None
+    if not isinstance(value, dict):
+        raise PlanInputError(f"--profiles must be a JSON object of profile "
+                             f"overrides, got {type(value).__name__}")
+    return value
+
+
+def _options(args: argparse.Namespace, config: Any):
+    """PlanOptions from the flags (and a script's EPL config)."""
+    from epl.planner.planner import PlanOptions
+    fields: dict[str, Any] = {"offload": args.offload}
+    if args.host_memory is not None:
+        fields["host_memory_per_device"] = args.host_memory * GiB
+    if args.pipeline_stages is not None:
+        fields["pipeline_stages"] = args.pipeline_stages
+    micro = args.micro_batches
+    if micro is None and config is not None and \
+            config.get("pipeline.num_micro_batch") > 1:
+        micro = config.get("pipeline.num_micro_batch")
+    if micro is not None:
+        fields["num_micro_batch"] = micro
+    if args.efficiency is not None:
+        fields["efficiency"] = args.efficiency
+    if args.dtype:
+        fields["compute_dtype"] = args.dtype
+    return PlanOptions(**fields)
+
+
+def _model(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
+    """(model, EPL config or None, default examples per device)."""
+    if args.model:
+        spec = builtin_model(args.model, args.dtype)
+        return spec, None, default_batch_per_device(spec.name)
+    if args.graph:
+        from epl.observability.dump_format import DumpError, load_graph_def
+        from epl.planner.planner import model_from_graph
+        try:
+            graph_def = load_graph_def(args.graph)
+        except DumpError as err:
+            raise PlanInputError(str(err)) from None
+        name = os.path.splitext(os.path.basename(args.graph))[0]
+        return model_from_graph(graph_def, name=name), None, None
+    graph, config = capture_script_graph(args.script, args.script_args)
+    from epl.planner.planner import model_from_graph
+    name = os.path.splitext(os.path.basename(args.script))[0]
+    return model_from_graph(graph, name=name), config, None
+
+
+def calibrate(output: str | None) -> str:
+    """--calibrate: measure the CPU profile; write it to `output` when given.
+
+    Returns the profile file's JSON text, or a line naming the file written.
+    Raises PlanInputError when `output` cannot be written.
+    """
+    from epl.planner.profiles import calibrate_cpu_profile, profile_file
+    text = json.dumps(profile_file(calibrate_cpu_profile()), indent=1)
+    if output is None:
+        return text
+    try:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    except OSError as err:
+        raise PlanInputError(f"--output: cannot write {output!r}: "
+                             f"{err.strerror}") from None
+    return f"wrote the CPU profile to {output} (use it with --profiles " \
+           f"{output} or as cluster.device_profiles)"
+
+
+def run(args: argparse.Namespace) -> str:
+    """Plan as the flags say; returns explain()'s text, or with --json the
+    plan's `ClusterPlan.as_dict()` as JSON; with --calibrate, `calibrate`'s
+    answer."""
+    if args.calibrate:
+        return calibrate(args.output)
+    if args.output:
+        raise PlanInputError("--output is for --calibrate")
+    if not args.cluster:
+        raise PlanInputError("--cluster is required (or use --calibrate)")
+    from epl.planner.planner import plan_cluster
+    from epl.planner.profiles import parse_cluster
+    overrides = _overrides(args.profiles)
+    if not args.script:  # a script's epl.init may define more profiles
+        parse_cluster(args.cluster, overrides or None)
+    model, config, per_device = _model(args)
+    if config is not None:
+        overrides = {**(config.get("cluster.device_profiles") or {}),
+                     **overrides}
+    hosts = parse_cluster(args.cluster, overrides or None)
+    batch = args.global_batch
+    if batch is None and per_device and not model.batch_size:
+        batch = per_device * sum(h.devices for h in hosts)
+    plan = plan_cluster(model, hosts, args.optimizer, batch,
+                        _options(args, config))
+    if args.json:
+        return json.dumps(plan.as_dict(), indent=1)
+    return plan.explain()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit code (0, or 2 on bad input)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    if args.script_args and not args.script:
+        parser.print_usage(sys.stderr)
+        print(f"epl-plan: error: unexpected arguments {args.script_args} "
+              f"(arguments after -- are for --script)", file=sys.stderr)
+        return 2
+    try:
+        text = run(args)
+    except EPLError as err:
+        print(f"epl-plan: error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
