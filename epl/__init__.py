@@ -24,7 +24,7 @@ VERSION = __version__  # EPL's name
 _EXPORTS = {
     "Cluster": "epl.runtime.cluster",
     "Config": "epl.config",
-    "Env": "epl.api", "init": "epl.api", "parallelize": "epl.api",
+    "Env": "epl.env", "init": "epl.api", "parallelize": "epl.api",
     "EPLError": "epl.errors", "ConfigError": "epl.errors", "ScopeError": "epl.errors",
     "ClusterError": "epl.errors", "ParallelizeError": "epl.errors", "PassError": "epl.errors",
     "GraphKeys": "epl.graph_keys", "add_to_collection": "epl.graph_keys",

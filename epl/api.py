@@ -1,4 +1,4 @@
-"""EPL's API layer: `epl.init`, `epl.parallelize` and `epl.Env`.
+"""EPL's API layer: `epl.init`, `epl.parallelize` (and `epl.Env`, from epl/env.py).
 
 Layers, each importing only those below it: this API (and epl/strategies.py,
 epl/layers.py) -> session and optimizer integration (epl/hooks/) -> the driver
@@ -21,8 +21,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl import env, hooks
-from epl.runtime.cluster import local_cluster
 from epl.config import Config
+from epl.env import Env  # noqa: F401  (EPL's `epl.Env`; defined with the state it reads)
+from epl.runtime.cluster import local_cluster
 from epl.observability.logs import configure as configure_logging
 from epl.parallel import ParallelGraph, parallelize as _parallelize
 
@@ -36,6 +37,7 @@ def init(config: Config | dict | None = None) -> Config:
     config makes that one active for the graphs built afterwards (epl/env.py).
     """
     config = env.activate(config)
+    env.set_cluster_factory(local_cluster)
     hooks.install()
     configure_logging(config.get("debug.log_level"))
     return config
@@ -49,42 +51,3 @@ def parallelize(graph: tf.Graph | None = None,
     if not env.is_initialized():
         init()
     return _parallelize(graph, replica_weights)
-
-
-class Env:
-    """EPL's runtime environment, as EPL's `epl.Env` (`Env.get().config`, `.cluster`)."""
-
-    _instance: "Env | None" = None
-
-    @classmethod
-    def get(cls) -> "Env":
-        """The process's Env (one per process)."""
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
-
-    @property
-    def config(self) -> Config | None:
-        """The active Config (frozen), or None before epl.init."""
-        return env.get_config() if env.is_initialized() else None
-
-    @property
-    def cluster(self):
-        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
-        since the last epl.init, else the one the runtime uses (read when asked: the
-        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
-        size); None before epl.init when none was entered."""
-        if env.entered_cluster() is not None:
-            return env.entered_cluster()
-        if not env.is_initialized():
-            return None
-        return local_cluster(env.get_config())
-
-    @property
-    def is_ready(self) -> bool:
-        """True once epl.init has run (EPL's name)."""
-        return env.is_initialized()
-
-    def __repr__(self) -> str:
-        """The active config's changes and the cluster."""
-        return f"Env(config={self.config!r}, cluster={self.cluster!r})"

@@ -19,7 +19,10 @@ tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
 that needs graph mode (a strategy scope, `epl.parallelize`) refuses eager
 mode with the fix.
 
-`epl.Env` (epl/api.py) is EPL's runtime view of this state.
+`Env` is EPL's runtime view of this state (`epl.Env`, and `from epl.env import
+Env` as in EPL). Its cluster is built by the function `epl.init` registers
+(`set_cluster_factory`: the runtime's `local_cluster`), so that this module
+imports nothing from the runtime.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from epl.config import Config
 from epl.errors import ConfigError, ParallelizeError
 from epl.ir.taskgraph import _STATES, graph_state
 
-_ENV: dict = {"config": None, "cluster": None, "defaults": None}
+_ENV: dict = {"config": None, "cluster": None, "defaults": None, "cluster_factory": None}
 # graph -> the config its EPL annotations were made under, for graphs that were
 # annotated but not parallelized when epl.init switched to another config
 _BUILT_UNDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -145,3 +148,49 @@ def enter_cluster(cluster) -> None:
 def entered_cluster():
     """The cluster entered with ``with epl.Cluster(...)`` since the last init, or None."""
     return _ENV["cluster"]
+
+
+def set_cluster_factory(factory) -> None:
+    """Register `factory(config) -> Cluster`, which builds this worker's cluster for
+    `Env.cluster` (epl.init registers the runtime's `local_cluster`)."""
+    _ENV["cluster_factory"] = factory
+
+
+class Env:
+    """EPL's runtime environment, as EPL's `epl.Env` (`Env.get().config`, `.cluster`)."""
+
+    _instance: "Env | None" = None
+
+    @classmethod
+    def get(cls) -> "Env":
+        """The process's Env (one per process)."""
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    @property
+    def config(self) -> Config | None:
+        """The active Config (frozen), or None before epl.init."""
+        return get_config() if is_initialized() else None
+
+    @property
+    def cluster(self):
+        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
+        since the last epl.init, else the one the runtime uses (read when asked: the
+        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
+        size); None before epl.init when none was entered."""
+        if entered_cluster() is not None:
+            return entered_cluster()
+        factory = _ENV["cluster_factory"]
+        if not is_initialized() or factory is None:
+            return None
+        return factory(get_config())
+
+    @property
+    def is_ready(self) -> bool:
+        """True once epl.init has run (EPL's name)."""
+        return is_initialized()
+
+    def __repr__(self) -> str:
+        """The active config's changes and the cluster."""
+        return f"Env(config={self.config!r}, cluster={self.cluster!r})"

@@ -13,8 +13,11 @@ class ConfigError(EPLError, ValueError):
     """An unknown configuration key or a value of the wrong type or range."""
 
 
-class ScopeError(EPLError):
-    """A strategy scope used in a way EPL cannot honour (nesting, bad sizes)."""
+class ScopeError(EPLError, RuntimeError):
+    """A strategy scope used in a way EPL cannot honour (nesting, bad sizes).
+
+    Also a RuntimeError, as EPL raised one for these (code that catches
+    RuntimeError around its scopes keeps working)."""
 
 
 class ClusterError(EPLError):

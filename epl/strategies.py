@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import warnings
 
 import tensorflow as tf
 
@@ -75,7 +77,21 @@ def _register(state, spec: StrategySpec) -> None:
         raise ScopeError(
             f"{spec.describe()} reuses the name of {existing.spec.describe()}; a TaskGraph name "
             "can be reused only with the same strategy. Pick a different name.")
+    if existing is None and spec.kind == StrategyKind.SPLIT and spec.device_count == 1:
+        _warn_split_on_one_device(spec)
     state.add_taskgraph(spec)
+
+
+def _warn_split_on_one_device(spec: StrategySpec) -> None:
+    """Warn (SplitFallbackWarning, and the "epl" logger) that a split TaskGraph of one
+    device splits nothing: its variables stay whole on that device (EPL said nothing)."""
+    from epl.passes.split.split import SplitFallbackWarning
+
+    message = (f"{spec.describe()} spans one device, so nothing under it is split: its "
+               "variables (expert weights, a classifier) stay whole on one device. Give "
+               "device_count >= 2 (e.g. the worker's device count) to split them.")
+    logging.getLogger(__name__).warning("%s", message)
+    warnings.warn(message, SplitFallbackWarning, stacklevel=4)
 
 
 def replicate(device_count: int = 1, name: str | None = None) -> Strategy:

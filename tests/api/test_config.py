@@ -14,7 +14,7 @@ from epl.errors import ConfigError
 
 EXPECTED_DEFAULTS = {
     "pipeline.num_micro_batch": 1,
-    "pipeline.num_stages": 1,
+    "pipeline.num_stages": None,
     "pipeline.strategy": "PreferBackward",
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
@@ -114,7 +114,7 @@ def test_dotted_dict_input_and_access() -> None:
     assert config.cluster.colocate_split_and_replicate is True
     assert config.to_dict()["pipeline.num_micro_batch"] == 4
     assert config.pipeline.to_dict() == {
-        "num_micro_batch": 4, "num_stages": 1, "strategy": "PreferBackward"}
+        "num_micro_batch": 4, "num_stages": None, "strategy": "PreferBackward"}
     assert isinstance(config.pipeline, ConfigSection)
 
 

@@ -131,7 +131,7 @@ class StagePartition:
 
 def wants_auto_stages(state: GraphState, config) -> bool:
     """True if the config asks for automatic stages and the script has no stage scopes."""
-    if not config.get("auto.auto_parallel") or int(config.get("pipeline.num_stages")) <= 1:
+    if not config.get("auto.auto_parallel") or int(config.get("pipeline.num_stages") or 1) <= 1:
         return False
     taskgraphs = state.taskgraphs
     return not taskgraphs or (len(taskgraphs) == 1
@@ -359,7 +359,7 @@ class AutoStagesPass(GraphPass):
     def enabled(self, config) -> bool:
         """auto.auto_parallel is on and pipeline.num_stages asks for 2 or more stages."""
         return bool(config.get("auto.auto_parallel")) and \
-            int(config.get("pipeline.num_stages")) > 1
+            int(config.get("pipeline.num_stages") or 1) > 1
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> StagePartition | None:
         """The partition (pure analysis; raises for a model with too few places to
