@@ -248,7 +248,7 @@ def pass_context(graph: tf.Graph, state, passes: list,
                       split_records=list(state.splits))
     first, rest = before_analysis(passes)
     PassManager(first, instruments).run(graph, ctx)   # only retags: nothing to unfinalize
-    ctx.view = analyze(graph, state)
+    ctx.view = analyze(graph, state, batch_mode(config))
     # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
     # devices (batch shares, each stage's device), so the dry run and the real run agree
     ctx.plan = make_local_plan(ctx.view.taskgraphs + ctx.view.split_taskgraphs, ctx.view,

@@ -18,6 +18,13 @@ from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 from epl.ir.taskgraph import graph_state
 
 _AUTO_NAMES = itertools.count()
+# TensorFlow's error for tf.compat.v1.layers (and other tf-keras APIs) under Keras 3,
+# and what to do about it.
+KERAS_3_MESSAGE = "is not available with Keras 3"
+LEGACY_KERAS_HINT = ("EPL: tf.compat.v1.layers needs legacy Keras: install tf-keras (the same "
+                     "version as TensorFlow) and set TF_USE_LEGACY_KERAS=1 in the environment "
+                     "before TensorFlow is imported, e.g. `TF_USE_LEGACY_KERAS=1 python "
+                     "train.py` (README, \"Legacy layers\").")
 EAGER_HINT = ("EPL rewrites TensorFlow graphs: call tf.compat.v1.disable_eager_execution() at the "
               "start of the script, or build the model inside `with tf.Graph().as_default():`.")
 
@@ -64,11 +71,21 @@ class Strategy:
         state.scope_stack.append(self.spec)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         state = graph_state(tf.compat.v1.get_default_graph())
         state.scope_stack.pop()
         self._stack.close()
         self._stack = None
+        if exc is not None:
+            add_legacy_keras_hint(exc)
+
+
+def add_legacy_keras_hint(exc: BaseException) -> None:
+    """Add `LEGACY_KERAS_HINT` as a note to TensorFlow's "not available with Keras 3"
+    error (a tf.compat.v1.layers call without legacy Keras), once."""
+    if isinstance(exc, AttributeError) and KERAS_3_MESSAGE in str(exc) and \
+            LEGACY_KERAS_HINT not in getattr(exc, "__notes__", ()):
+        exc.add_note(LEGACY_KERAS_HINT)
 
 
 def _register(state, spec: StrategySpec) -> None:
