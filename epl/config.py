@@ -332,6 +332,9 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "Level of the stream handler epl.init attaches to the 'epl' logger ('' = leave "
             "logging to the application).",
             allowed=("", "DEBUG", "INFO", "WARNING", "ERROR")),
+    KeySpec("debug.log_all_ranks", "bool", False,
+            "Print the parallel-graph summary and ProgressHook's lines on every worker "
+            "(default: worker 0 only, as Horovod scripts print)."),
     KeySpec("debug.trace_dir", "str", "",
             "Directory for Chrome traces (chrome://tracing, Perfetto) of the training "
             "steps in debug.trace_steps ('' = no traces)."),

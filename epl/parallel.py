@@ -33,7 +33,7 @@ from epl.runtime.collective_check import check_collectives_agree
 from epl.runtime.communicators import make_communicator
 from epl.observability.trace import make_tracer
 from epl.strategies import EAGER_HINT
-from epl.observability.summary import format_summary, summarize
+from epl.observability.summary import format_summary, prints_here, summarize
 from epl.passes.pipeline.accumulate import AccumulatePass
 from epl.passes.amp import AmpPass
 from epl.passes.annotate import AnnotatePass
@@ -305,7 +305,7 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
 def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: float) -> None:
     """Log what parallelize built (epl.observability.summary) at INFO through the "epl" logger."""
     logger = logging.getLogger(__name__)
-    if not logger.isEnabledFor(logging.INFO):
+    if not logger.isEnabledFor(logging.INFO) or not prints_here(result.cluster, config):
         return
     summary = summarize(result.graph, result.plan, result.cluster, result.view, config,
                         ctx.timings, rewrite_s, list(result.fetch_map.values()))

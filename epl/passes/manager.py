@@ -18,7 +18,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from epl.observability.dump_format import rank_dump_dir, write_pass_dump
+from epl.observability.dump_format import rank_dump_dir
+from epl.observability.dump_writer import PassDumpWriter
 from epl.errors import EPLError, PassError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
@@ -133,6 +134,7 @@ class DumpInstrument(Instrument):
         """first_index: index of the first dump (after dumps written at gradient time)."""
         self.dump_dir = dump_dir
         self.first_index = first_index
+        self._writer = PassDumpWriter()   # serializes only what changed since the last pass
 
     def before(self, graph_pass, graph, ctx):
         # the graph the passes receive (once: the driver runs the passes before the
@@ -154,7 +156,7 @@ class DumpInstrument(Instrument):
         cluster = getattr(ctx, "cluster", None)
         directory = self.dump_dir if cluster is None else \
             rank_dump_dir(self.dump_dir, cluster.worker_rank, cluster.num_workers)
-        write_pass_dump(directory, index, name, graph.as_graph_def(add_shapes=True), summary)
+        self._writer.write(directory, index, name, graph, summary)
 
 
 def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:

@@ -235,12 +235,9 @@ def warn_if_more_virtual_devices_than_cores(devices: int) -> None:
         return
     _WARNED_DEVICE_COUNTS.add(devices)
     logging.getLogger(__name__).warning(
-        "cluster.virtual_devices is %d but this worker may use %d CPU core%s: the virtual "
-        "devices share the cores, so each runs at about %.2g of a core and steps get no "
-        "faster from more devices (the numbers are the same). For speed, use at most %d "
-        "(cluster.virtual_devices, EPL_CLUSTER_VIRTUAL_DEVICES or epl-launch "
-        "--virtual-devices).", devices, cores, "" if cores == 1 else "s", cores / devices,
-        cores)
+        "cluster.virtual_devices is %d, more than the %d CPU core%s this worker may use: the "
+        "devices share the cores, so a step is no faster than with %d (the numbers are the "
+        "same)", devices, cores, "" if cores == 1 else "s", cores)
 
 
 def _split_hosts(hosts: str, what: str) -> list[str]:

@@ -49,6 +49,7 @@ EXPECTED_DEFAULTS = {
     "debug.dump_dir": "",
     "debug.check_invariants": False,
     "debug.log_level": "",
+    "debug.log_all_ranks": False,
     "debug.trace_dir": "",
     "debug.trace_steps": [2],
 }
