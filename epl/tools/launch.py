@@ -167,6 +167,7 @@ def find_horovodrun() -> str:
 _OWN_OPTIONS = {"-np": 1, "--num-proc": 1, "-H": 1, "--hosts": 1, "--virtual-devices": 1,
                 "--timeout": 1, "--restarts": 1, "--min-np": 1, "-h": 0, "--help": 0}
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
+CHECK_BUILD = ("--check-build", "-cb")   # `epl-launch --check-build [--json]`: epl-env
 _EVENT = "epl-launch-event: "  # what workers print for the launcher (EPL_LAUNCH_EVENTS=1)
 
 
@@ -602,8 +603,12 @@ class Restarter:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `epl-launch`; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in CHECK_BUILD:   # horovodrun's --check-build: EPL's own report
+        from epl.tools.env_report import main as env_report
+        return env_report(argv[1:])
     try:  # EPL's --num_workers/--gpu_per_worker, rewritten into this launcher's options
-        argv = translate_epl_flags(list(sys.argv[1:] if argv is None else argv))
+        argv = translate_epl_flags(argv)
     except EplFlagError as err:
         print("%s: %s" % (PROG, err), file=sys.stderr, flush=True)
         return 2
