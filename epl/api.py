@@ -1,4 +1,5 @@
-"""EPL's API layer: `epl.init`, `epl.parallelize` (and `epl.Env`, from epl/env.py).
+"""EPL's API layer: `epl.init`, `epl.parallelize`, `epl.capture` (and `epl.Env`, from
+epl/env.py).
 
 Layers, each importing only those below it: this API (and epl/strategies.py,
 epl/layers.py) -> session and optimizer integration (epl/hooks/) -> the driver
@@ -10,6 +11,11 @@ config (scripts/import_graph.py checks there is no cycle).
 EPL: the optimizer hooks (gradient time) and the session hooks (parallelize
 time). See epl/env.py for calling it again with another config.
 
+`capture(script, argv)` runs a training script until EPL would parallelize its
+graph and returns the graph, EPL's record of it and the script's config, without
+rewriting it (what `epl-plan --script` plans): EPL's own session and
+parallelize hooks stop the script there while the capture flag is set.
+
 `epl.init` does not refuse eager execution (EPL did): TensorFlow 2 executes
 eagerly by default and building the model inside ``with
 tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
@@ -18,11 +24,19 @@ mode with the fix.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
 import tensorflow as tf
 
 from epl import env, hooks
 from epl.config import Config
 from epl.env import Env  # noqa: F401  (EPL's `epl.Env`; defined with the state it reads)
+from epl.errors import CaptureError, EPLError
+from epl.ir.taskgraph import GraphState, graph_state
 from epl.runtime.cluster import local_cluster
 from epl.observability.logs import configure as configure_logging
 from epl.parallel import ParallelGraph, parallelize as _parallelize
@@ -47,7 +61,81 @@ def parallelize(graph: tf.Graph | None = None,
                 replica_weights: list[float] | None = None) -> ParallelGraph:
     """Rewrite `graph` (default: the default graph) for parallel training, once
     (epl/parallel.py); initializes EPL with the defaults if epl.init was not
-    called, so that sessions on the graph run the parallel step."""
+    called, so that sessions on the graph run the parallel step. While `capture`
+    runs a script, it stops the script instead (env.CaptureStop)."""
+    if env.capturing():
+        raise env.CaptureStop(graph or tf.compat.v1.get_default_graph())
     if not env.is_initialized():
         init()
     return _parallelize(graph, replica_weights)
+
+
+@dataclasses.dataclass
+class Capture:
+    """What `capture` returns: the graph a training script built, as EPL would
+    parallelize it (EPL's record of it, `state`: its TaskGraphs, training steps and
+    split records), and the config the script's epl.init set (the defaults when it
+    did not call it)."""
+
+    graph: tf.Graph
+    state: GraphState
+    config: Config
+
+
+def capture(script: str, argv: Sequence[str] = ()) -> Capture:
+    """Run the training script `script` (with `argv` as its arguments) until EPL would
+    parallelize its graph, and return that graph (a `Capture`); EPL's rewrite never runs.
+
+    The script runs as `__main__` in this process (`runpy`), in a fresh default
+    graph, with EPL initialized with the defaults first (the script's epl.init
+    replaces them), so the optimizer hooks record its training step as in a real
+    run. EPL's own session and parallelize hooks stop it (env.CaptureStop) at the
+    first session (tf.compat.v1.Session, MonitoredTrainingSession: at its
+    Scaffold.finalize, after its hooks' begin()) or `epl.parallelize` on a graph
+    EPL would parallelize; sessions on other graphs run. A script that ends (or
+    exits with status 0) before that gives the graph it built. Afterwards
+    sys.argv and EPL's state (the active config, the capture flag) are as before.
+    TensorFlow's own state is the script's: a tf.compat.v1.disable_eager_execution()
+    in it stays in effect.
+
+    Raises:
+        CaptureError: the file does not exist, the script failed or exited with an
+            error status before EPL would parallelize, or it built no graph.
+    """
+    if not os.path.isfile(script):
+        raise CaptureError(f"training script {script!r} does not exist")
+    saved_argv, saved_state = sys.argv, env.save_state()
+    graph = tf.Graph()
+    try:
+        env.reset()
+        sys.argv = [script, *argv]
+        with graph.as_default():
+            init()
+            env.begin_capture()
+            graph = _run_until_parallelize(script, graph)
+        config = env.get_config()
+    finally:
+        sys.argv = saved_argv
+        env.restore_state(saved_state)
+    if not graph.get_operations():
+        raise CaptureError(f"training script {script!r} built no graph before its first "
+                           "session")
+    return Capture(graph, graph_state(graph), config)
+
+
+def _run_until_parallelize(script: str, graph: tf.Graph) -> tf.Graph:
+    """Run `script`; return the graph EPL's hooks stopped it at (else `graph`)."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except env.CaptureStop as stop:
+        return stop.graph
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise CaptureError(f"training script {script!r} exited with {exit_.code!r} "
+                               "before creating a session") from None
+    except EPLError:
+        raise
+    except Exception as err:  # the script's own failure
+        raise CaptureError(f"training script {script!r} failed before creating a session: "
+                           f"{type(err).__name__}: {err}") from err
+    return graph

@@ -32,7 +32,8 @@ from epl.config import Config
 from epl.errors import ConfigError, ParallelizeError
 from epl.ir.taskgraph import _STATES, graph_state
 
-_ENV: dict = {"config": None, "cluster": None, "defaults": None, "cluster_factory": None}
+_ENV: dict = {"config": None, "cluster": None, "defaults": None, "cluster_factory": None,
+              "capturing": False}
 # graph -> the config its EPL annotations were made under, for graphs that were
 # annotated but not parallelized when epl.init switched to another config
 _BUILT_UNDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -148,6 +149,38 @@ def enter_cluster(cluster) -> None:
 def entered_cluster():
     """The cluster entered with ``with epl.Cluster(...)`` since the last init, or None."""
     return _ENV["cluster"]
+
+
+class CaptureStop(BaseException):
+    """Raised by EPL's session and parallelize hooks while `epl.capture` runs a script,
+    where EPL would parallelize `graph`: the script stops there, before the rewrite.
+    A BaseException, so the script's own `except Exception` does not catch it."""
+
+    def __init__(self, graph) -> None:
+        super().__init__("epl.capture stops the script where EPL would parallelize its graph")
+        self.graph = graph
+
+
+def capturing() -> bool:
+    """True while `epl.capture` runs a script (the hooks then raise CaptureStop)."""
+    return _ENV["capturing"]
+
+
+def save_state() -> dict:
+    """This module's state (the active config, cluster, capture flag), for `restore_state`."""
+    return {"state": dict(_ENV), "built_under": dict(_BUILT_UNDER.items())}
+
+
+def restore_state(saved: dict) -> None:
+    """Make the state `save_state` returned the current one again."""
+    _ENV.update(saved["state"])
+    _BUILT_UNDER.clear()
+    _BUILT_UNDER.update(saved["built_under"])
+
+
+def begin_capture() -> None:
+    """Set the capture flag (`epl.capture`; `restore_state` clears it again)."""
+    _ENV["capturing"] = True
 
 
 def set_cluster_factory(factory) -> None:

@@ -30,3 +30,8 @@ class ParallelizeError(EPLError):
 
 class PassError(EPLError):
     """A graph pass failed; the message names the pass and the passes before it."""
+
+
+class CaptureError(EPLError):
+    """`epl.capture` could not capture a training script's graph (missing file, the
+    script failed, or it built no graph)."""

@@ -17,6 +17,8 @@
   leaves (epl.runtime.guarded_run).
 - After a restore, the checkpoint and its global step are logged (and told to
   epl-launch, which logs the step a restarted job resumed from).
+- While `epl.capture` runs a script, the first session (or Scaffold.finalize) on
+  a graph EPL would parallelize raises `epl.env.CaptureStop` instead.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import sys
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
+from epl.env import CaptureStop, capturing
 from epl.ir.graph_view import ancestors
 from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
 from epl.ir.taskgraph import graph_state
@@ -46,6 +49,9 @@ _ORIGINAL = {}
 
 def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
+    if capturing() and needs_parallelize(graph_):   # epl.capture: stop before the rewrite
+        self._session = None  # so BaseSession.__del__ of this unbuilt session is quiet
+        raise CaptureStop(graph_)
     if needs_parallelize(graph_):
         try:
             parallelize(graph_)
@@ -60,6 +66,8 @@ def _session_init(self, target="", graph=None, config=None):
 
 def _scaffold_finalize(self):
     graph = tf.compat.v1.get_default_graph()
+    if capturing() and needs_parallelize(graph):   # epl.capture: stop before the rewrite
+        raise CaptureStop(graph)
     if needs_parallelize(graph):
         parallelize(graph)
     return _ORIGINAL["finalize"](self)

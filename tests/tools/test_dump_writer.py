@@ -159,3 +159,19 @@ def test_the_other_passes_dump_the_full_graph(epl_env, tmp_path, compared, confi
     changed = [d.pass_name for d in read_dump(str(tmp_path / "dump")) if not d.unchanged]
     assert len(compared) >= 14
     assert (passes | {"replicate"}) - set(changed) == set(), changed
+
+
+def test_dump_overhead_bench_prints_its_two_lines(capsys):
+    """bench/dump_overhead.py (the figures of issue 28 item 3) with one repeat."""
+    import re
+    import sys
+    from paths import BENCH
+    sys.path.insert(0, BENCH)
+    import dump_overhead
+    assert dump_overhead.main(["--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^dump_overhead: ratio rewrite with dump / without = \d+\.\d\d "
+                     r"\(bert_pipeline\); target <= 1\.3$", out, re.M), out
+    assert re.search(r"^dump_overhead: epl-dump on the train_mlp dump \(\d+\.\d\d MiB\) = "
+                     r"\d+\.\d\d s \(median of 1; TensorFlow not imported\); target < 2 s$",
+                     out, re.M), out
