@@ -7,26 +7,14 @@ split TaskGraph over one device, which splits nothing, gets a warning.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import epl
-from epl import env
 from epl.errors import ConfigError, ScopeError
 from epl.passes.split.split import SplitFallbackWarning
-
-
-@pytest.fixture(autouse=True)
-def fresh_epl(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("EPL_"):
-            monkeypatch.delenv(name)
-    env.reset()
-    yield
-    env.reset()
 
 
 def test_nested_scopes_raise_a_runtime_error_as_in_epl():
@@ -52,6 +40,7 @@ def test_env_imports_from_epl_env_as_in_epl():
 
 
 def test_num_stages_none_is_unset_as_in_epl_docs(monkeypatch):
+    monkeypatch.delenv("EPL_PIPELINE_NUM_STAGES", raising=False)
     assert epl.Config().pipeline.num_stages is None           # EPL's documented default
     assert epl.Config({"pipeline.num_stages": None}).get("pipeline.num_stages") is None
     assert epl.Config({"pipeline.num_stages": 3}).pipeline.num_stages == 3
