@@ -21,7 +21,9 @@ once per distinct list of shapes. The bytes are those of the GraphDef
 `as_graph_def(add_shapes=True)` gives, with large constants elided
 (`dump_format.elide_node_constants`), up to notation: the order of the
 nodes and of each op's control inputs (which `as_graph_def` sorts by name),
-and "x:0" for an input rewired to x (`as_graph_def` writes "x"). A
+and "x:0" for an input rewired to x (`as_graph_def` writes "x"); and the
+library's functions are `as_graph_def()`'s, without the shape attributes
+add_shapes puts on them (on the ops of the graph they are there). A
 GraphDef is a concatenation of its nodes' encodings, its function library's
 and its versions'. The library is taken from `as_graph_def` again only when
 functions were added. A graph with v2 control flow or function calls
@@ -141,23 +143,23 @@ class GraphSerializer:
                 len(self._nodes))
 
     def _take_whole_graph(self) -> None:
-        """Every node and the library from `as_graph_def` (one full serialization)."""
+        """Every node and the library from one `as_graph_def()` (its output shapes
+        added here, once per distinct list)."""
         self._functions = _function_count(self.graph)
-        graph_def = _full_graph_def(self.graph)
+        graph_def = self.graph.as_graph_def()
+        by_name = {op.name: op for op in self.graph.get_operations()}
+        self._op_at = [by_name[node.name] for node in graph_def.node]
         self._nodes, self._shape_entries = [], []
-        for node in graph_def.node:
-            shapes = b""
-            if "_output_shapes" in node.attr:
-                entry = _field(b"\x0a", b"_output_shapes") + _field(
-                    b"\x12", node.attr["_output_shapes"].SerializeToString(deterministic=True))
-                shapes = _field(_ATTR_TAG, entry)
-                del node.attr["_output_shapes"]
+        for node, op in zip(graph_def.node, self._op_at):
+            elide_node_constants(node)
+            shapes = self._output_shapes(op) if op.outputs else b""
             self._nodes.append(_field(_NODE_TAG, node.SerializeToString(deterministic=True)
                                       + shapes))
             self._shape_entries.append(shapes)
-        by_name = {op.name: op for op in self.graph.get_operations()}
-        self._op_at = [by_name[node.name] for node in graph_def.node]
         self._position = {op._id: i for i, op in enumerate(self._op_at)}
+        for function in graph_def.library.function:
+            for node in function.node_def:
+                elide_node_constants(node)
         library = graph_def.library.SerializeToString(deterministic=True)
         self._library = _field(_LIBRARY_TAG, library) if library else b""
 
