@@ -107,7 +107,7 @@ def captured_model(example: Example):
     --script` captures it."""
     with contextlib.redirect_stdout(io.StringIO()):  # the script's own lines
         captured = epl.capture(script_path(example), list(example.argv))
-    return (model_from_graph(captured.graph, name=example.script),
+    return (model_from_graph(captured.graph, name=example.script, record=captured.record),
             captured.config.get("pipeline.num_micro_batch"))
 
 

@@ -35,11 +35,12 @@ import tensorflow as tf
 from epl import env, hooks
 from epl.config import Config
 from epl.env import Env  # noqa: F401  (EPL's `epl.Env`; defined with the state it reads)
-from epl.errors import CaptureError, EPLError
-from epl.ir.taskgraph import GraphState, graph_state
-from epl.runtime.cluster import local_cluster
+from epl.errors import CaptureError, ConfigError, EPLError, ParallelizeError
+from epl.hooks.record import EAGER_HINT, record_of
+from epl.ir.record import GraphRecord
 from epl.observability.logs import configure as configure_logging
 from epl.parallel import ParallelGraph, parallelize as _parallelize
+from epl.runtime.cluster import local_cluster
 
 
 def init(config: Config | dict | None = None) -> Config:
@@ -50,11 +51,36 @@ def init(config: Config | dict | None = None) -> Config:
     where the dict does not set the key. Calling it again with a different
     config makes that one active for the graphs built afterwards (epl/env.py).
     """
+    config = env.frozen(config)
+    if env.switches_config(config):
+        _check_no_step_built()
     config = env.activate(config)
     env.set_cluster_factory(local_cluster)
     hooks.install()
     configure_logging(config.get("debug.log_level"))
     return config
+
+
+# Op types of an optimizer's variable updates (TensorFlow's training ops).
+_UPDATE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
+
+
+def _check_no_step_built() -> None:
+    """EPL records the training step when the optimizer builds it; a step built
+    before epl.init was not recorded, and EPL would leave it unparallelized (or
+    find "no training step"): say so now, naming it."""
+    graph = tf.compat.v1.get_default_graph()
+    record = record_of(graph, create=False)
+    if record is not None and record.train_steps:   # EPL recorded it (an earlier init)
+        return
+    updates = [op for op in graph.get_operations() if op.type.startswith(_UPDATE_PREFIXES)]
+    if updates:
+        raise ConfigError(
+            "epl.init() was called after the optimizer built the training step: the default "
+            "graph already has %d variable update%s (%s, type %s), made by minimize() or "
+            "apply_gradients() before EPL was initialized, so EPL did not record the step. "
+            "Call epl.init() first, then build the model and the optimizer step."
+            % (len(updates), "" if len(updates) == 1 else "s", updates[0].name, updates[0].type))
 
 
 def parallelize(graph: tf.Graph | None = None,
@@ -67,18 +93,21 @@ def parallelize(graph: tf.Graph | None = None,
         raise env.CaptureStop(graph or tf.compat.v1.get_default_graph())
     if not env.is_initialized():
         init()
-    return _parallelize(graph, replica_weights)
+    if tf.executing_eagerly() and graph is None:
+        raise ParallelizeError(f"epl.parallelize() was called in eager mode. {EAGER_HINT}")
+    graph = graph or tf.compat.v1.get_default_graph()
+    return _parallelize(graph, record_of(graph), replica_weights)
 
 
 @dataclasses.dataclass
 class Capture:
     """What `capture` returns: the graph a training script built, as EPL would
-    parallelize it (EPL's record of it, `state`: its TaskGraphs, training steps and
-    split records), and the config the script's epl.init set (the defaults when it
-    did not call it)."""
+    parallelize it, EPL's record of it (`GraphRecord`: its TaskGraphs, training steps
+    and split records), and the config it was built under (the script's epl.init's;
+    the defaults when it did not call it)."""
 
     graph: tf.Graph
-    state: GraphState
+    record: GraphRecord
     config: Config
 
 
@@ -113,14 +142,15 @@ def capture(script: str, argv: Sequence[str] = ()) -> Capture:
             init()
             env.begin_capture()
             graph = _run_until_parallelize(script, graph)
-        config = env.get_config()
+        record = record_of(graph)
+        config = record.config or env.get_config()
     finally:
         sys.argv = saved_argv
         env.restore_state(saved_state)
     if not graph.get_operations():
         raise CaptureError(f"training script {script!r} built no graph before its first "
                            "session")
-    return Capture(graph, graph_state(graph), config)
+    return Capture(graph, record, config)
 
 
 def _run_until_parallelize(script: str, graph: tf.Graph) -> tf.Graph:

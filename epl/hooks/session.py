@@ -32,10 +32,10 @@ import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
 from epl.env import CaptureStop, capturing
+from epl.hooks.record import record_of
 from epl.ir.graph_view import ancestors
+from epl.parallel import ParallelGraph, needs_parallelize, parallelize
 from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
-from epl.ir.taskgraph import graph_state
-from epl.parallel import ParallelGraph, needs_parallelize, parallel_graph, parallelize
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
 from epl.runtime.horovod_comm import collective_label
@@ -47,17 +47,28 @@ RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 _ORIGINAL = {}
 
 
+def parallel_graph(graph: tf.Graph | None) -> ParallelGraph | None:
+    """The ParallelGraph of `graph` (in its record), or None if it was not parallelized."""
+    record = record_of(graph, create=False) if graph is not None else None
+    return record.result if record is not None else None
+
+
+def _parallelize_if_needed(graph: tf.Graph) -> None:
+    """Rewrite `graph` if EPL annotated it and has not rewritten it yet."""
+    record = record_of(graph, create=False)
+    if needs_parallelize(record):
+        if capturing():   # epl.capture: stop the script here, before the rewrite
+            raise CaptureStop(graph)
+        parallelize(graph, record)
+
+
 def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
-    if capturing() and needs_parallelize(graph_):   # epl.capture: stop before the rewrite
-        self._session = None  # so BaseSession.__del__ of this unbuilt session is quiet
-        raise CaptureStop(graph_)
-    if needs_parallelize(graph_):
-        try:
-            parallelize(graph_)
-        except Exception:
-            self._session = None  # so BaseSession.__del__ of this half-built session is quiet
-            raise
+    try:
+        _parallelize_if_needed(graph_)
+    except BaseException:   # also epl.capture's CaptureStop
+        self._session = None  # so BaseSession.__del__ of this half-built session is quiet
+        raise
     result = parallel_graph(graph_)
     if result is not None:
         config = result.session_config(config)
@@ -65,11 +76,7 @@ def _session_init(self, target="", graph=None, config=None):
 
 
 def _scaffold_finalize(self):
-    graph = tf.compat.v1.get_default_graph()
-    if capturing() and needs_parallelize(graph):   # epl.capture: stop before the rewrite
-        raise CaptureStop(graph)
-    if needs_parallelize(graph):
-        parallelize(graph)
+    _parallelize_if_needed(tf.compat.v1.get_default_graph())
     return _ORIGINAL["finalize"](self)
 
 

@@ -64,7 +64,7 @@ from tensorflow.core.framework import summary_pb2
 from tensorflow.core.util import event_pb2
 
 from epl.env import get_config
-from epl.ir.taskgraph import graph_state
+from epl.hooks.record import record_of
 from epl.observability.dump_format import elide_large_constants
 from epl.observability.summary import JobBatch, job_batch
 from epl.runtime.collective_check import exchange_bytes
@@ -176,9 +176,9 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
 
     def _job_numbers(self, graph) -> None:
         """Workers, rank, the tracer and the job's samples per step, from the parallel graph."""
-        state = graph_state(graph, create=False)
-        result = state.result if state is not None and state.parallelized else None
-        config = get_config()
+        record = record_of(graph, create=False)
+        result = record.result if record is not None else None
+        config = (record.config if record is not None else None) or get_config()
         if result is not None:
             self._rank, self._workers = result.cluster.worker_rank, result.cluster.num_workers
             self._tracer = result.tracer

@@ -421,7 +421,8 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
     with contextlib.redirect_stdout(sys.stderr):   # the script's own lines: not the plan's
         captured = epl.capture(args.script, args.script_args)
     name = os.path.splitext(os.path.basename(args.script))[0]
-    return model_from_graph(captured.graph, name=name), captured, None
+    return (model_from_graph(captured.graph, name=name, record=captured.record),
+            captured, None)
 
 
 def script_batch(captured: Any, hosts: Sequence[Any], batch: int | None) -> Any:
@@ -435,7 +436,7 @@ def script_batch(captured: Any, hosts: Sequence[Any], batch: int | None) -> Any:
     from epl.observability.summary import JobBatch
     from epl.planner.plan import split_layout
     from epl.runtime.cluster import Cluster
-    config, taskgraphs = captured.config, list(captured.state.taskgraphs)
+    config, taskgraphs = captured.config, list(captured.record.taskgraphs)
     colocate = bool(config.get("cluster.colocate_split_and_replicate"))
     per_replica = sum(tg.spec.device_count for tg in taskgraphs
                       if tg.spec.kind.value != "split") or 1

@@ -139,7 +139,7 @@ def test_batch_size_gives_the_job_batch_and_traced_runs_stay_out_of_the_rates(
     replicas x 16); the traced run 3 (debug.trace_dir) is left out of the rates, which
     are exactly 32 samples per 1 s run."""
     from epl.observability import progress
-    from epl.parallel import parallel_graph
+    from epl.hooks.session import parallel_graph
     clock = _Clock()
     monkeypatch.setattr(progress, "time", clock)
     epl_env({"cluster.virtual_devices": 2, "debug.trace_dir": str(tmp_path / "trace"),

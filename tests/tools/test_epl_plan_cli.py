@@ -307,8 +307,8 @@ raise SystemExit("not reached: capture stops at the session above")
             epl.init, epl.parallelize) == hooks
     assert env.save_state()["state"] == before["state"] and not env.capturing()
     assert captured.config.get("pipeline.num_micro_batch") == 2
-    assert [tg.name for tg in captured.state.taskgraphs] == ["body"]
-    assert captured.state.train_steps and not captured.state.parallelized
+    assert [tg.name for tg in captured.record.taskgraphs] == ["body"]
+    assert captured.record.train_steps and not captured.record.parallelized
     assert captured.graph.get_operation_by_name("dense/MatMul").type == "MatMul"
 
 
@@ -321,7 +321,7 @@ tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
 epl.parallelize()
 raise SystemExit(3)
 """)
-    assert not epl.capture(path).state.parallelized
+    assert not epl.capture(path).record.parallelized
     with pytest.raises(epl.CaptureError) as caught:
         epl.capture(str(tmp_path / "missing.py"))
     assert str(caught.value) == f"training script {str(tmp_path / 'missing.py')!r} does not exist"
