@@ -305,7 +305,7 @@ raise SystemExit("not reached: capture stops at the session above")
     captured = epl.capture(path, ["--flag"])
     assert (session_lib.BaseSession.__init__, tf.compat.v1.train.Scaffold.finalize,
             epl.init, epl.parallelize) == hooks
-    assert env.save_state()["state"] == before["state"] and not env.capturing()
+    assert env.save_state() == before and not env.capturing()
     assert captured.config.get("pipeline.num_micro_batch") == 2
     assert [tg.name for tg in captured.record.taskgraphs] == ["body"]
     assert captured.record.train_steps and not captured.record.parallelized
