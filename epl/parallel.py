@@ -29,6 +29,7 @@ from epl.ir.taskgraph import graph_state
 from epl.passes.manager import DumpInstrument, PassContext, PassManager, TimingInstrument
 from epl.planner.plan import Plan, make_local_plan, split_layout
 from epl.planner.planner import local_shard_weights
+from epl.passes.replication.origins import copy_origins
 from epl.runtime.collective_check import check_collectives_agree
 from epl.runtime.communicators import make_communicator
 from epl.observability.trace import make_tracer
@@ -156,6 +157,9 @@ class ParallelGraph:
     drawn: tuple = ()
     # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
     tracer: object = None
+    # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
+    # run-time errors in the user's terms (epl.passes.replication.origins)
+    origins: dict = dataclasses.field(default_factory=dict)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -296,6 +300,7 @@ def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) ->
     result.feeds = dict(replication.feeds)
     result.drawn = tuple(t for op in replication.draws for t in op.outputs)
     result.tracer = make_tracer(config, cluster, graph)
+    result.origins = copy_origins(replication)
     state.parallelized = True
     state.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)
