@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
@@ -206,6 +207,7 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if result.gradient_check is not None and result.gradient_check_max_diff is None \
             and plan.trains:   # the first step then uses the batch the check drew
         feed_dict = {**(feed_dict or {}), **_check_gradients(self, result, feed_dict)}
+    started = time.time()
     with _user_terms(self, result, plan, feed_dict):
         if plan.gather:
             _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
@@ -218,7 +220,7 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         if plan.sync:
             _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync), self, plan, "sync")
     if plan.restores:
-        _note_restore(self, plan, feed_dict)
+        _note_restore(self, plan, feed_dict, time.time() - started)
     return values
 
 
@@ -254,16 +256,17 @@ def _fed_path(feed_dict) -> str | None:
     return None
 
 
-def _note_restore(session, plan: _RunPlan, feed_dict) -> None:
-    """After a restore: log the checkpoint and the global step it holds; under
-    epl-launch (EPL_LAUNCH_EVENTS set) also tell the launcher, which logs the step
-    a restarted job resumed from."""
+def _note_restore(session, plan: _RunPlan, feed_dict, seconds: float) -> None:
+    """After a restore (that took `seconds`): log the checkpoint and the global step it
+    holds; under epl-launch (EPL_LAUNCH_EVENTS set) also tell the launcher, which logs
+    the step a restarted job resumed from."""
     path = _fed_value(feed_dict, plan.restores[0].inputs[0])
     step = _read_step(session)
-    logging.getLogger("epl").info("restored the variables from %s (global step %s)",
-                                  path or "a checkpoint", step)
+    logging.getLogger("epl").info("restored the variables from %s (global step %s) in %.2f s",
+                                  path or "a checkpoint", step, seconds)
     if os.environ.get("EPL_LAUNCH_EVENTS"):
-        event = {"event": "restored", "global_step": step, "checkpoint": path}
+        event = {"event": "restored", "global_step": step, "checkpoint": path,
+                 "seconds": round(seconds, 3)}
         print("epl-launch-event: " + json.dumps(event), file=sys.stderr, flush=True)
 
 

@@ -230,14 +230,11 @@ class WorkerStatus:
         return results
 
     def _ask(self, peer: dict) -> dict:
+        """The peer's answer, or what a probe finds about it (`_silent`)."""
         local = peer["host"] == self.host and peer["pid"] > 0
-        if local:
-            state = process_state(peer["pid"])
-            if state in (None, "Z", "X"):
-                return _silent("gone", "its process is gone", peer, local)
-            if state in ("T", "t"):
-                return _silent("stopped", "its process is stopped (SIGSTOP, or a debugger)",
-                               peer, local)
+        state = _local_state(peer, local, quiet=False)
+        if state is not None:
+            return state
         try:
             conn = socket.create_connection(peer["address"], timeout=_CONNECT_TIMEOUT_S)
         except ConnectionRefusedError:
@@ -254,18 +251,9 @@ class WorkerStatus:
                     return json.loads(line)
             except (OSError, ValueError):
                 pass
-        if local:
-            state = process_state(peer["pid"])
-            if state in (None, "Z", "X"):
-                return _silent("gone", "its process is gone", peer, local)
-            if state in ("T", "t"):
-                return _silent("stopped", "its process is stopped (SIGSTOP, or a debugger)",
-                               peer, local)
-            if state == "D":
-                return _silent("frozen", "its process is blocked in the kernel "
-                               "(uninterruptible I/O, process state D)", peer, local)
-        return _silent("frozen", "its process accepts connections but answers nothing "
-                       "(none of its threads gets to run)", peer, local)
+        return _local_state(peer, local, quiet=True) or _silent(
+            "frozen", "its process accepts connections but answers nothing (none of its "
+            "threads gets to run)", peer, local)
 
     def fail(self, verdict: str, skip: set[int] = frozenset()) -> None:
         """This worker stops the job with `verdict`: tell the others now (not those in
@@ -289,7 +277,9 @@ class WorkerStatus:
         if not self.peers:
             return
         with self.lock:
-            self.phase, self.since, self.error = phase, time.time(), error
+            if not (phase == "failed" and self.phase == "running"):  # still the run's age
+                self.since = time.time()
+            self.phase, self.error = phase, error
             self._publish()
         record = self.snapshot(read_step=False)
         line = b"bye " + json.dumps(record).encode() + b"\n"
@@ -312,6 +302,23 @@ class WorkerStatus:
         deadline = time.monotonic() + _TELL_TIMEOUT_S
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _local_state(peer: dict, local: bool, quiet: bool) -> dict | None:
+    """For a peer on this host, what its process state says when that is enough to
+    know it will not answer (gone, stopped; quiet, i.e. it did not answer: also
+    blocked in the kernel), else None."""
+    if not local:
+        return None
+    state = process_state(peer["pid"])
+    if state in (None, "Z", "X"):
+        return _silent("gone", "its process is gone", peer, local)
+    if state in ("T", "t"):
+        return _silent("stopped", "its process is stopped (SIGSTOP, or a debugger)", peer, local)
+    if quiet and state == "D":
+        return _silent("frozen", "its process is blocked in the kernel (uninterruptible I/O, "
+                       "process state D)", peer, local)
+    return None
 
 
 def _silent(how: str, detail: str, peer: dict, local: bool) -> dict:

@@ -65,8 +65,8 @@ TensorFlow, 4 s, once per process), through horovodrun's own entry point:
   once a worker restored a checkpoint, the global step it resumed from::
 
       epl-launch: worker 1 failed (exit 137): killed by SIGKILL
-      epl-launch: restart 1 of 3: starting 2 workers again (-H localhost:2)
-      epl-launch: restart 1: resumed from global step 10 (worker 0 restored /ckpt/model.ckpt-10)
+      epl-launch: restart 1 of 3 after worker 1 failed (killed by SIGKILL): starting 2 workers again (-H localhost:2)
+      epl-launch: restart 1: resumed from global step 10 (worker 0 restored /ckpt/model.ckpt-10 in 0.05 s)
 
 - ``--min-np M`` (with ``--restarts``; default: ``-np``): a failed worker's
   slot (every slot of the workers EPL found at fault) is given up (one slot fewer on its host, as Horovod Elastic drops a
@@ -441,9 +441,11 @@ class Restarter:
         """Log the step a restarted job resumed from (the first worker that restored)."""
         if self.attempt and not self._announced and event.get("event") == "restored":
             self._announced = True
-            self._print("restart %d: resumed from global step %s (worker %s restored %s)" % (
+            seconds = event.get("seconds")
+            self._print("restart %d: resumed from global step %s (worker %s restored %s%s)" % (
                 self.attempt, event.get("global_step", "?"), event.get("rank", "?"),
-                event.get("checkpoint") or "a checkpoint"))
+                event.get("checkpoint") or "a checkpoint",
+                " in %.2f s" % seconds if isinstance(seconds, (int, float)) else ""))
 
     def next_attempt(self, watcher: OutputWatcher) -> bool:
         """After a failed attempt: set up the next one and log it; False if none is left."""

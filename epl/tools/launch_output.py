@@ -164,12 +164,16 @@ class OutputWatcher:
 
     def found_at_fault(self, rank: int | None) -> bool:
         """True when EPL's report on `rank` (it stalled, left) is its cause: it did not
-        fail on its own (no exit code of its own: still running, exited 0, or
-        terminated by horovodrun). A worker killed by SIGKILL is reported as such."""
+        fail on its own (no exit code of its own: still running, exited 0, terminated
+        by horovodrun, or it ended on EPL's timeout that names it too). A worker killed
+        by SIGKILL, or one that raised its own error, is reported as such."""
         if rank not in self.culprits:
             return False
+        own = self.last_exception.get(rank)
+        if own and "ClusterError" not in own:  # it raised an error of its own: its cause
+            return False
         code = self._code(rank)
-        return code is None or code == 0 or _terminated(code)
+        return code is None or code == 0 or _terminated(code) or own is not None
 
     def failure(self) -> tuple[int | None, int | None]:
         """(rank, exit code) of the worker that failed first, as far as the output tells.

@@ -245,6 +245,18 @@ def test_output_watcher_blames_the_worker_epl_found_at_fault():
     assert watcher.cause(1, 143) == (
         "stalled: it is alive but not progressing: its process is stopped (SIGSTOP, or a "
         "debugger) (reported by worker 0)")
+    # A worker at fault that raised an error of its own (a save that failed) is reported
+    # by that error, even when the peers said it left.
+    watcher = launcher.OutputWatcher()
+    event = json.dumps({"event": "culprits", "message": "m", "culprits": [
+        {"rank": 0, "how": "left", "text": "left the job after global step 10: it raised X"}]})
+    for line in ["[1]<stderr>:epl-launch-event: " + event,
+                 "[0]<stderr>:Traceback (most recent call last):",
+                 "[0]<stderr>:epl.errors.CheckpointError: saving the checkpoint c failed",
+                 "Process 1 exit with status code 1.", "Process 0 exit with status code 143."]:
+        watcher.feed(line)
+    assert watcher.summary(1) == (
+        "epl-launch: worker 0 failed: epl.errors.CheckpointError: saving the checkpoint c failed")
 
 
 def test_restarter_drops_the_slots_of_the_workers_at_fault():
@@ -415,12 +427,13 @@ def test_restart_after_a_kill_finishes_from_the_last_checkpoint(tmp_path, report
     job = epl_launch(["-np", "2", "--timeout", "60", "--restarts", "2"],
                      ["checkpoint_worker.py", "rank0", str(out), str(ckpt), "12"], timeout=300)
     assert job.returncode == 0, errors(job.stdout)
-    log = [line for line in job.text if line.startswith("epl-launch:")]
+    log = [re.sub(r" in \d+\.\d\d s\)$", " in SECONDS s)", line) for line in job.text
+           if line.startswith("epl-launch:")]
     assert log == ["epl-launch: worker 1 failed (exit 137): killed by SIGKILL",
                    "epl-launch: restart 1 of 2 after worker 1 failed (killed by SIGKILL): "
                    "starting 2 workers again (-H localhost:2)",
-                   "epl-launch: restart 1: resumed from global step 10 (worker 0 restored %s)"
-                   % (ckpt / "model.ckpt-10")], "\n".join(log)
+                   "epl-launch: restart 1: resumed from global step 10 (worker 0 restored %s in "
+                   "SECONDS s)" % (ckpt / "model.ckpt-10")], "\n".join(log)
     killed, _ = job.first("rank 1 kills itself at step 12")
     for rank in (0, 1):
         record = json.loads((out / f"rank{rank}.json").read_text())
@@ -469,6 +482,10 @@ def test_recovery_benchmark_quick(report):
     job = run_job([sys.executable, bench, "--quick"], 600)
     assert job.returncode == 0, job.stdout[-3000:]
     line = next(line for line in job.text if line.startswith("recovery: "))
-    assert re.fullmatch(r"recovery: automatic / manual restart time = [\d.]+ \(median of 1; "
-                        r"automatic [\d.]+ s, manual [\d.]+ s\)", line), line
+    assert re.fullmatch(r"recovery: restart / fresh start-up = [\d.]+ \(median of 1; "
+                        r"restart [\d.]+ s, fresh [\d.]+ s\)", line), line
+    parts = next(line for line in job.text if line.startswith("restart parts (medians): "))
+    assert re.fullmatch(r"restart parts \(medians\): detection [\d.]+ s, teardown [\d.]+ s, "
+                        r"start-up [\d.]+ s, restore [\d.]+ s, first step [\d.]+ s", parts), parts
+    report(parts)
     report(line)
