@@ -45,6 +45,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from epl.hooks.record import record_of  # noqa: E402
 from epl.planner.graph_model import model_from_graph  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
 from epl.planner.profiles import HostSpec, cpu_profile, virtual_cpu_profiles  # noqa: E402
@@ -108,7 +109,7 @@ def captured_model(example: Example):
     with contextlib.redirect_stdout(io.StringIO()):  # the script's own lines
         graph, config = capture_script_graph(script_path(example),
                                              list(example.argv))
-    return (model_from_graph(graph, name=example.script),
+    return (model_from_graph(graph, name=example.script, record=record_of(graph, create=False)),
             config.get("pipeline.num_micro_batch"))
 
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl import env, hooks
-from epl.runtime.cluster import local_cluster
 from epl.config import Config
+from epl.errors import ConfigError, ParallelizeError
+from epl.hooks.record import EAGER_HINT, record_of
 from epl.observability.logs import configure as configure_logging
 from epl.parallel import ParallelGraph, parallelize as _parallelize
+from epl.runtime.cluster import local_cluster
 
 
 def init(config: Config | dict | None = None) -> Config:
@@ -35,10 +37,35 @@ def init(config: Config | dict | None = None) -> Config:
     where the dict does not set the key. Calling it again with a different
     config makes that one active for the graphs built afterwards (epl/env.py).
     """
+    config = env.frozen(config)
+    if env.switches_config(config):
+        _check_no_step_built()
     config = env.activate(config)
     hooks.install()
     configure_logging(config.get("debug.log_level"))
     return config
+
+
+# Op types of an optimizer's variable updates (TensorFlow's training ops).
+_UPDATE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
+
+
+def _check_no_step_built() -> None:
+    """EPL records the training step when the optimizer builds it; a step built
+    before epl.init was not recorded, and EPL would leave it unparallelized (or
+    find "no training step"): say so now, naming it."""
+    graph = tf.compat.v1.get_default_graph()
+    record = record_of(graph, create=False)
+    if record is not None and record.train_steps:   # EPL recorded it (an earlier init)
+        return
+    updates = [op for op in graph.get_operations() if op.type.startswith(_UPDATE_PREFIXES)]
+    if updates:
+        raise ConfigError(
+            "epl.init() was called after the optimizer built the training step: the default "
+            "graph already has %d variable update%s (%s, type %s), made by minimize() or "
+            "apply_gradients() before EPL was initialized, so EPL did not record the step. "
+            "Call epl.init() first, then build the model and the optimizer step."
+            % (len(updates), "" if len(updates) == 1 else "s", updates[0].name, updates[0].type))
 
 
 def parallelize(graph: tf.Graph | None = None,
@@ -48,7 +75,10 @@ def parallelize(graph: tf.Graph | None = None,
     called, so that sessions on the graph run the parallel step."""
     if not env.is_initialized():
         init()
-    return _parallelize(graph, replica_weights)
+    if tf.executing_eagerly() and graph is None:
+        raise ParallelizeError(f"epl.parallelize() was called in eager mode. {EAGER_HINT}")
+    graph = graph or tf.compat.v1.get_default_graph()
+    return _parallelize(graph, record_of(graph), replica_weights)
 
 
 class Env:

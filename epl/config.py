@@ -316,7 +316,11 @@ _SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("debug.dump_dir", "str", "",
             "Directory for graph dumps after every pass ('' = no dumps)."),
     KeySpec("debug.check_invariants", "bool", False,
-            "Check graph invariants between passes."),
+            "Check graph invariants between passes, and each pass's modified flag against "
+            "a graph fingerprint."),
+    KeySpec("debug.disabled_passes", "list", [],
+            "Names of passes to leave off (as TVM's disabled_pass), for debugging a rewrite; "
+            "a pass another enabled pass needs cannot be disabled."),
     KeySpec("debug.log_level", "str", "",
             "Level of the stream handler epl.init attaches to the 'epl' logger ('' = leave "
             "logging to the application).",

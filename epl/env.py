@@ -7,9 +7,10 @@ state only and imports nothing above the IR, so every layer may read it.
 Calling it again, as EPL's own tests do between graphs, replaces the active
 config (an equal config changes nothing). Graphs are annotated at
 construction and gradient time and rewritten at parallelize time, all under
-the config active when they were built, so a graph that EPL had already
+the config active when they were built: each graph's record keeps the config
+it was made under (epl/ir/record.py), so a graph that EPL had already
 annotated but not yet parallelized when `init` switched to a different config
-is refused at parallelize time (`config_for`), with the keys that differ and
+is refused at parallelize time (epl/parallel.py), with the keys that differ and
 the fix; graphs parallelized before, and graphs built after, are not
 affected.
 
@@ -23,26 +24,18 @@ mode with the fix.
 """
 from __future__ import annotations
 
-import weakref
-
 from epl.config import Config
-from epl.errors import ConfigError, ParallelizeError
-from epl.ir.taskgraph import _STATES, graph_state
+from epl.errors import ConfigError
 
 _ENV: dict = {"config": None, "cluster": None, "defaults": None}
-# graph -> the config its EPL annotations were made under, for graphs that were
-# annotated but not parallelized when epl.init switched to another config
-_BUILT_UNDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def activate(config: Config | dict | None = None) -> Config:
-    """Make `config` the active one and return it (frozen); `epl.init` (epl/api.py)
-    does this and installs the hooks.
+def frozen(config: Config | dict | None = None) -> Config:
+    """`config` as the frozen Config `activate` would make active.
 
     config: an `epl.Config` (frozen by this call), a dict of dotted keys, or
     None for the defaults. Environment variables `EPL_<SECTION>_<KEY>` apply
-    where the dict does not set the key. Activating a different config makes
-    that one active for the graphs built afterwards (see the module docstring).
+    where the dict does not set the key.
     """
     if config is None or isinstance(config, dict):
         config = Config(config)
@@ -50,48 +43,26 @@ def activate(config: Config | dict | None = None) -> Config:
         raise ConfigError(
             f"epl.init expects an epl.Config or a dict of dotted keys, got {type(config).__name__}")
     config.freeze()
-    current = _ENV["config"]
-    if current is not None and current == config:
-        return current
-    if current is not None:
-        _remember_unparallelized_graphs(current)
-    _check_no_step_built()
-    _ENV["config"] = config
-    _ENV["cluster"] = None
     return config
 
 
-# Op types of an optimizer's variable updates (TensorFlow's training ops).
-_UPDATE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
+def switches_config(config: Config) -> bool:
+    """True if activating the frozen `config` changes the active config."""
+    return _ENV["config"] is None or _ENV["config"] != config
 
 
-def _check_no_step_built() -> None:
-    """EPL records the training step when the optimizer builds it; a step built
-    before epl.init was not recorded, and EPL would leave it unparallelized (or
-    find "no training step"): say so now, naming it."""
-    import tensorflow as tf
-
-    graph = tf.compat.v1.get_default_graph()
-    state = graph_state(graph, create=False)
-    if state is not None and state.train_steps:   # EPL recorded it (an earlier init)
-        return
-    updates = [op for op in graph.get_operations() if op.type.startswith(_UPDATE_PREFIXES)]
-    if updates:
-        raise ConfigError(
-            "epl.init() was called after the optimizer built the training step: the default "
-            "graph already has %d variable update%s (%s, type %s), made by minimize() or "
-            "apply_gradients() before EPL was initialized, so EPL did not record the step. "
-            "Call epl.init() first, then build the model and the optimizer step."
-            % (len(updates), "" if len(updates) == 1 else "s", updates[0].name, updates[0].type))
-
-
-def _remember_unparallelized_graphs(previous: Config) -> None:
-    """Record `previous` for every live graph EPL annotated and has not parallelized."""
-    for graph, state in list(_STATES.items()):
-        if state.parallelized or graph in _BUILT_UNDER:
-            continue
-        if state.taskgraphs or state.train_steps or state.splits:
-            _BUILT_UNDER[graph] = previous
+def activate(config: Config | dict | None = None) -> Config:
+    """Make `config` (see `frozen`) the active one and return it; `epl.init`
+    (epl/api.py) does this and installs the hooks. Activating a different config
+    makes that one active for the graphs built afterwards (see the module docstring).
+    """
+    config = frozen(config)
+    current = _ENV["config"]
+    if current is not None and current == config:
+        return current
+    _ENV["config"] = config
+    _ENV["cluster"] = None
+    return config
 
 
 def get_config() -> Config:
@@ -104,26 +75,6 @@ def get_config() -> Config:
     return _ENV["config"]
 
 
-def config_for(graph) -> Config:
-    """The active Config, checked to be the one `graph` was annotated under.
-
-    Raises ParallelizeError for a graph EPL annotated under an earlier
-    `epl.init` config that differs from the active one.
-    """
-    config = get_config()
-    built_under = _BUILT_UNDER.get(graph)
-    if built_under is not None and built_under != config:
-        old, new = built_under.to_dict(), config.to_dict()
-        changed = ", ".join(sorted(key for key in new if old[key] != new[key]))
-        raise ParallelizeError(
-            "this graph was built under an earlier epl.init config, and epl.init was called "
-            f"again since with a different one (keys that differ: {changed}). EPL rewrites a "
-            "graph under the config it was built with: create the graph's session (or call "
-            "epl.parallelize) before calling epl.init again, or build the graph after the "
-            "epl.init whose config it should use.")
-    return config
-
-
 def is_initialized() -> bool:
     """True once epl.init has run in this process."""
     return _ENV["config"] is not None
@@ -134,7 +85,6 @@ def reset() -> None:
     process)."""
     _ENV["config"] = None
     _ENV["cluster"] = None
-    _BUILT_UNDER.clear()
 
 
 def enter_cluster(cluster) -> None:

@@ -1,14 +1,22 @@
-"""Parallelize time: run the planner and the passes once per graph.
+"""The driver: run the planner and the passes once per graph, on its record.
 
-`parallelize(graph)` is called by the session hooks (first session on the
-graph, or MonitoredTrainingSession's Scaffold.finalize) or explicitly by the
-user. It runs the training pipeline (`training_pipeline()`, every rewrite a
-pass of its own) in two parts around the analysis: the passes that only retag
-the graph as the user built it (`GraphPass.before_analysis`: the automatic
-stages, epl/passes/pipeline/auto_stages.py), then the analysis and the plan (both may
-raise before any op is added), then every other pass. It stores a
-`ParallelGraph` on the graph's state: what the session integration needs
+`parallelize(graph, record)` is called by the session hooks (first session on
+the graph, or MonitoredTrainingSession's Scaffold.finalize) or through
+`epl.parallelize()`, with the graph's `GraphRecord` (epl/ir/record.py: what
+construction and gradient time saw; the hooks keep it). It builds the training
+pipeline from the config (`training_pipeline(config)`, every rewrite a pass of
+its own, each built from its typed options, epl/passes/options.py) and runs it
+in two parts around the analysis: the passes that only retag the graph as the
+user built it (`GraphPass.before_analysis`: the automatic stages,
+epl/passes/pipeline/auto_stages.py), then the analysis and the plan (both may
+raise before any op is added), then every other pass. The result, a
+`ParallelGraph`, goes into the record: what the session integration needs
 (fetch remapping, replica sync).
+
+What the passes hand each other are typed results (epl/passes/manager.py); the
+driver gives them their inputs the same way (the record, this worker's
+planner, the analysis, the plan, the gradient-time split records) and reads
+their results through the same interface. See docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -20,79 +28,77 @@ import time
 
 import tensorflow as tf
 
-from epl.runtime.cluster import Cluster, local_cluster
-from epl.env import config_for, get_config
-from epl.errors import ParallelizeError, PassError
+from epl.env import get_config
+from epl.errors import ConfigError, ParallelizeError, PassError
 from epl.ir.autodiff import internal_autodiff
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
-from epl.ir.taskgraph import graph_state
-from epl.passes.manager import DumpInstrument, PassContext, PassManager, TimingInstrument
-from epl.planner.plan import Plan, make_local_plan, split_layout
-from epl.planner.planner import local_shard_weights
-from epl.passes.replication.origins import copy_origins
-from epl.runtime.collective_check import check_collectives_agree
-from epl.runtime.communicators import make_communicator
-from epl.observability.trace import make_tracer
-from epl.strategies import EAGER_HINT
+from epl.ir.record import GraphRecord
 from epl.observability.summary import format_summary, summarize
-from epl.passes.pipeline.accumulate import AccumulatePass
-from epl.passes.amp import AmpPass
+from epl.observability.trace import make_tracer
 from epl.passes.annotate import AnnotatePass
+from epl.passes.amp import AmpPass
 from epl.passes.apply_groups import ApplyGroupsPass
-from epl.passes.pipeline.auto_stages import AutoStagesPass
 from epl.passes.gradient_comm import GradientCommPass
+from epl.passes.manager import (DumpInstrument, FingerprintInstrument, PassContext, PassManager,
+                                TimingInstrument)
 from epl.passes.offload import OffloadPass
-from epl.passes.recompute.recompute import RecomputePass
-from epl.passes.replication.replicate import ReplicatePass
-from epl.passes.replication.inputs import batch_mode, supports_uneven_shares
+from epl.passes.options import pass_options
+from epl.passes.pipeline.accumulate import AccumulatePass
+from epl.passes.pipeline.auto_stages import AutoStagesPass, StagePartition
 from epl.passes.pipeline.schedule import SchedulePass
+from epl.passes.recompute.recompute import RecomputePass
+from epl.passes.replication.origins import copy_origins
+from epl.passes.replication.replicate import ReplicatePass
+from epl.passes.replication.result import GradientCheck, Replication
 from epl.passes.skip_on_overflow import SkipOnOverflowPass
-from epl.passes.split.split import SplitPass, SplitPlan
+from epl.passes.split.split import SplitInputs, SplitPass, SplitRecords
 from epl.passes.unscale import UnscalePass
 from epl.passes.verify import InvariantInstrument, VerifyPass
-from epl.passes.zero import ZeroPass
+from epl.passes.zero import ZeroPass, ZeroSharding
+from epl.planner.plan import Plan
+from epl.planner.worker_planner import WorkerPlanner
+from epl.runtime.cluster import Cluster, local_cluster
+from epl.runtime.collective_check import check_collectives_agree
+from epl.runtime.communicators import make_communicator
+
+# The passes, in pipeline order: (name, class). Their options come from
+# epl/passes/options.py; debug.disabled_passes may name any of them.
+GRADIENT_TIME_PASSES = (("split", SplitPass),)
+TRAINING_PASSES = (
+    ("auto_stages", AutoStagesPass), ("annotate", AnnotatePass), ("amp", AmpPass),
+    ("recompute", RecomputePass), ("replicate", ReplicatePass), ("accumulate", AccumulatePass),
+    ("unscale", UnscalePass), ("schedule", SchedulePass), ("zero", ZeroPass),
+    ("gradient_comm", GradientCommPass), ("apply_groups", ApplyGroupsPass),
+    ("skip_on_overflow", SkipOnOverflowPass), ("offload", OffloadPass), ("verify", VerifyPass))
 
 
-def gradient_time_pipeline() -> list:
+def _build(entries, config) -> list:
+    """The passes of `entries`, each with its options from `config`, those named by
+    debug.disabled_passes marked off."""
+    options = pass_options(config)
+    disabled = set(config.get("debug.disabled_passes"))
+    known = {name for name, _ in GRADIENT_TIME_PASSES + TRAINING_PASSES}
+    unknown = sorted(disabled - known)
+    if unknown:
+        raise ConfigError(f"debug.disabled_passes names {unknown}, which are no passes; the "
+                          f"passes are {[name for name, _ in GRADIENT_TIME_PASSES + TRAINING_PASSES]}")
+    passes = []
+    for name, cls in entries:
+        graph_pass = cls(options[name])
+        graph_pass.disabled_by_name = name in disabled
+        passes.append(graph_pass)
+    return passes
+
+
+def gradient_time_pipeline(config) -> list:
     """The passes that run at gradient time, on the finished forward graph, before
-    autodiff (DESIGN.md, "Data flow", step 2)."""
-    return [SplitPass()]
+    autodiff (docs/architecture.md, "Data flow", step 2)."""
+    return _build(GRADIENT_TIME_PASSES, config)
 
 
-def run_gradient_time_pipeline(graph: tf.Graph, loss: tf.Tensor) -> None:
-    """Run `gradient_time_pipeline` on `graph` (whose loss is `loss`), with the split
-    plans of its split TaskGraphs (devices, shard weights); called by the optimizer
-    hooks (epl.hooks.optimizer) when the graph has split TaskGraphs not split yet."""
-    state = graph_state(graph)
-    config = get_config()
-    cluster = local_cluster(config)
-    _, devices = split_layout(state.taskgraphs, cluster,
-                              bool(config.get("cluster.colocate_split_and_replicate")))
-    plans = {}
-    for taskgraph in state.taskgraphs:
-        devs = devices.get(taskgraph.name)
-        if devs is None:
-            continue
-        if taskgraph.spec.device_count > len(devs):   # the group spans every worker (even shards)
-            plans[taskgraph.name] = SplitPlan(tuple(devs), None, cluster.worker_rank * len(devs),
-                                              taskgraph.spec.device_count)
-        else:
-            weights = local_shard_weights(cluster, config, devs)
-            plans[taskgraph.name] = SplitPlan(tuple(devs),
-                                              None if weights is None else tuple(weights))
-    ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
-                      split_loss=loss, split_plans=plans)
-    instruments = [TimingInstrument()]
-    if config.get("debug.dump_dir"):
-        instruments.append(DumpInstrument(config.get("debug.dump_dir")))
-    with graph.as_default(), internal_autodiff():
-        PassManager(gradient_time_pipeline(), instruments).run(graph, ctx)
-    passes = len(ctx.passes_run) + len(ctx.passes_off)
-    state.dumps_written = 1 + passes if config.get("debug.dump_dir") else 0
-
-
-def training_pipeline() -> list:
-    """The training passes, in order (DESIGN.md, "Data flow"); each rewrite is one pass.
+def training_pipeline(config) -> list:
+    """The training passes, in order (docs/architecture.md, "Passes"); each rewrite is one
+    pass, built from its options in `config`.
 
     auto_stages retags the graph as the user built it (before the analysis); then
     the forward is lowered (amp), the backward's checkpoints chosen (recompute),
@@ -104,9 +110,57 @@ def training_pipeline() -> list:
     Unscale comes before zero rather than after it: ZeRO reduce-scatters the
     gradients itself, and every reduction reads unscaled gradients.
     """
-    return [AutoStagesPass(), AnnotatePass(), AmpPass(), RecomputePass(), ReplicatePass(),
-            AccumulatePass(), UnscalePass(), SchedulePass(), ZeroPass(), GradientCommPass(),
-            ApplyGroupsPass(), SkipOnOverflowPass(), OffloadPass(), VerifyPass()]
+    return _build(TRAINING_PASSES, config)
+
+
+def _instruments(config, continues: bool = False) -> list:
+    """The instruments `config` asks for: timing always; dumps (debug.dump_dir; continues:
+    after the same graph's gradient-time dumps); invariant and modified-flag checks
+    (debug.check_invariants)."""
+    instruments = [TimingInstrument()]
+    if config.get("debug.dump_dir"):
+        instruments.append(DumpInstrument(config.get("debug.dump_dir"), continues))
+    if config.get("debug.check_invariants"):
+        instruments += [InvariantInstrument(), FingerprintInstrument()]
+    return instruments
+
+
+def config_of(record: GraphRecord):
+    """The config `record`'s graph is rewritten under: the active one, which must be
+    the one the graph was annotated under.
+
+    Raises ParallelizeError for a graph EPL annotated under an earlier `epl.init`
+    config that differs from the active one.
+    """
+    config = get_config()
+    built_under = record.config
+    if built_under is not None and built_under != config:
+        old, new = built_under.to_dict(), config.to_dict()
+        changed = ", ".join(sorted(key for key in new if old[key] != new[key]))
+        raise ParallelizeError(
+            "this graph was built under an earlier epl.init config, and epl.init was called "
+            f"again since with a different one (keys that differ: {changed}). EPL rewrites a "
+            "graph under the config it was built with: create the graph's session (or call "
+            "epl.parallelize) before calling epl.init again, or build the graph after the "
+            "epl.init whose config it should use.")
+    return config
+
+
+def run_gradient_time_pipeline(graph: tf.Graph, record: GraphRecord, loss: tf.Tensor) -> None:
+    """Run `gradient_time_pipeline` on `graph` (its record `record`, its loss `loss`);
+    called by the optimizer hooks (epl.hooks.optimizer) when the graph has split
+    TaskGraphs not split yet. The split pass's records go into the record."""
+    config = config_of(record)
+    cluster = local_cluster(config)
+    ctx = PassContext(cluster, make_communicator(cluster, config),
+                      inputs=(record, WorkerPlanner(cluster, config), SplitInputs(loss)))
+    fallback = record.taskgraphs[0].name
+    with graph.as_default(), internal_autodiff():
+        PassManager(gradient_time_pipeline(config), _instruments(config), ctx.available,
+                    fallback_taskgraph=fallback).run(graph, ctx)
+    records = ctx.find(SplitRecords)
+    if records is not None:
+        record.splits.extend(records.records)
 
 
 def before_analysis(passes: list) -> tuple[list, list]:
@@ -166,21 +220,15 @@ class ParallelGraph:
         return self.cluster.session_config(base)
 
 
-def parallel_graph(graph: tf.Graph) -> ParallelGraph | None:
-    """The ParallelGraph of `graph`, or None if it was not parallelized."""
-    state = graph_state(graph, create=False)
-    return state.result if state is not None and state.parallelized else None
-
-
-def needs_parallelize(graph: tf.Graph) -> bool:
-    """True if EPL annotated `graph` (scopes or an optimizer step) and has not run yet."""
-    state = graph_state(graph, create=False)
-    if state is None or state.parallelized:
+def needs_parallelize(record: GraphRecord | None) -> bool:
+    """True if EPL annotated the graph of `record` (scopes or an optimizer step) and has
+    not rewritten it yet."""
+    if record is None or record.parallelized:
         return False
-    if state.taskgraphs or any(not step.from_gradients for step in state.train_steps):
+    if record.taskgraphs or any(not step.from_gradients for step in record.train_steps):
         return True
     # only tf.gradients calls: a training step if their gradients update variables
-    return bool(state.train_steps) and has_training_step(state)
+    return bool(record.train_steps) and has_training_step(record)
 
 
 @contextlib.contextmanager
@@ -196,20 +244,18 @@ def _clean_construction_context(graph: tf.Graph):
         graph._attr_scope_map = saved_attrs
 
 
-def parallelize(graph: tf.Graph | None = None, replica_weights: list[float] | None = None) -> ParallelGraph:
-    """Rewrite `graph` (default: the default graph) for parallel training, once.
+def parallelize(graph: tf.Graph, record: GraphRecord,
+                replica_weights: list[float] | None = None) -> ParallelGraph:
+    """Rewrite `graph` (whose record is `record`) for parallel training, once.
 
     replica_weights: per-replica shares of the global batch (default: even, or
-    the planner's). Returns the ParallelGraph; a second call returns the first result.
+    the planner's). Returns the ParallelGraph (also kept in the record); a second
+    call returns the first result.
     """
-    if tf.executing_eagerly() and graph is None:
-        raise ParallelizeError(f"epl.parallelize() was called in eager mode. {EAGER_HINT}")
-    graph = graph or tf.compat.v1.get_default_graph()
-    state = graph_state(graph)
-    if state.parallelized:
-        return state.result
+    if record.parallelized:
+        return record.result
     with _cyclic_gc_paused(), internal_autodiff():   # EPL's autodiff is not a user step
-        return _parallelize(graph, state, replica_weights)
+        return _parallelize(graph, record, replica_weights)
 
 
 @contextlib.contextmanager
@@ -232,32 +278,34 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def pass_context(graph: tf.Graph, state, passes: list,
+def pass_context(graph: tf.Graph, record: GraphRecord, passes: list,
                  replica_weights: list[float] | None = None) -> tuple[PassContext, list, list]:
     """Run the passes of `passes` that come before the analysis (the automatic stages),
-    then analyse and plan `graph` (its GraphState `state`).
+    then analyse and plan `graph` (its record `record`).
 
-    Returns the PassContext the other passes run on, the instruments the config asks
-    for (timing, dumps, invariant checks), and the passes left to run.
+    Returns the PassContext the other passes run on (holding the analysis, the plan
+    and the split records as inputs), the instruments the config asks for (timing,
+    dumps, invariant checks), and the passes left to run.
     """
-    config = config_for(graph)   # the config the graph was built under (epl.env)
+    config = config_of(record)   # the config the graph was built under
     cluster = local_cluster(config)
-    instruments = [TimingInstrument()]
-    if config.get("debug.dump_dir"):
-        instruments.append(DumpInstrument(config.get("debug.dump_dir"), state.dumps_written))
-    if config.get("debug.check_invariants"):
-        instruments.append(InvariantInstrument())
-    # what the split pass did at gradient time (kept on the graph between the two times)
-    ctx = PassContext(config, None, cluster, None, make_communicator(cluster, config),
-                      split_records=list(state.splits))
+    planner = WorkerPlanner(cluster, config)
+    instruments = _instruments(config, continues=bool(record.splits))
+    ctx = PassContext(cluster, make_communicator(cluster, config),
+                      inputs=(record, planner, SplitRecords(tuple(record.splits))))
     first, rest = before_analysis(passes)
-    PassManager(first, instruments).run(graph, ctx)   # only retags: nothing to unfinalize
-    ctx.view = analyze(graph, state)
+    fallback = record.taskgraphs[0].name if record.taskgraphs else "default"
+    PassManager(first, instruments, ctx.available, fallback_taskgraph=fallback).run(graph, ctx)
+    stages = ctx.find(StagePartition)
+    view = analyze(graph, record, stages.taskgraphs if stages is not None else None)
     # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
     # devices (batch shares, each stage's device), so the dry run and the real run agree
-    ctx.plan = make_local_plan(ctx.view.taskgraphs + ctx.view.split_taskgraphs, ctx.view,
-                               cluster, config, replica_weights,
-                               supports_uneven_shares(ctx.view, batch_mode(config)))
+    # uneven shares only where the replicate pass can give replicas different batches
+    replicate = next((p for p in rest if isinstance(p, ReplicatePass)), None)
+    plan = planner.plan(view.taskgraphs + view.split_taskgraphs, view, replica_weights,
+                        replicate is None or replicate.supports_uneven_shares(view))
+    ctx.provide(view)
+    ctx.provide(plan)
     return ctx, instruments, rest
 
 
@@ -272,37 +320,43 @@ def run_passes(graph: tf.Graph, ctx: PassContext, passes: list, instruments: lis
         graph._unsafe_unfinalize()
     try:
         with _clean_construction_context(graph):
-            manager = PassManager(passes, instruments, after=ctx.passes_run + ctx.passes_off)
+            manager = PassManager(passes, instruments, ctx.available,
+                                  done=ctx.passes_run + ctx.passes_off,
+                                  fallback_taskgraph=ctx.get(TrainingView).taskgraphs[0].name)
             manager.run(graph, ctx, validate=validate)
     finally:
         if finalized:
             graph.finalize()
 
 
-def _parallelize(graph: tf.Graph, state, replica_weights: list[float] | None) -> ParallelGraph:
+def _parallelize(graph: tf.Graph, record: GraphRecord,
+                 replica_weights: list[float] | None) -> ParallelGraph:
     """parallelize() once the graph is known to need it: analyse, plan, run the passes."""
     start = time.perf_counter()
-    ctx, instruments, rest = pass_context(graph, state, training_pipeline(), replica_weights)
-    config, cluster, plan = ctx.config, ctx.cluster, ctx.plan
+    config = config_of(record)
+    ctx, instruments, rest = pass_context(graph, record, training_pipeline(config),
+                                          replica_weights)
     run_passes(graph, ctx, rest, instruments)
-    view = ctx.view   # the amp pass hands on a view with its lowered ops
+    cluster, plan = ctx.cluster, ctx.get(Plan)
+    view = ctx.get(TrainingView)   # the amp pass hands on a view with its lowered ops
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
-        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
-    replication = ctx.replication
+        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")),
+                                config)
+    replication = ctx.get(Replication)
+    zero = ctx.find(ZeroSharding)
+    check = ctx.find(GradientCheck)
     result = ParallelGraph(graph, plan, cluster, view, dict(replication.merged),
-                           {**replication.sync_ops, **(ctx.zero.sync_ops if ctx.zero else {})},
+                           {**replication.sync_ops, **(zero.sync_ops if zero else {})},
                            dict(ctx.timings),
                            float(config.get("communication.collective_timeout_s")),
-                           ctx.gradient_check)
-    zero = ctx.zero
+                           (check.reference, check.checkpointed) if check else None)
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)
     result.drawn = tuple(t for op in replication.draws for t in op.outputs)
     result.tracer = make_tracer(config, cluster, graph)
     result.origins = copy_origins(replication)
-    state.parallelized = True
-    state.result = result
+    record.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)
     return result
 

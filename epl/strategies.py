@@ -12,18 +12,10 @@ import itertools
 import tensorflow as tf
 
 from epl.errors import ScopeError
+from epl.hooks.record import default_graph_record
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
-from epl.ir.taskgraph import graph_state
 
 _AUTO_NAMES = itertools.count()
-EAGER_HINT = ("EPL rewrites TensorFlow graphs: call tf.compat.v1.disable_eager_execution() at the "
-              "start of the script, or build the model inside `with tf.Graph().as_default():`.")
-
-
-def check_graph_mode(what: str) -> None:
-    """Raise ScopeError when TensorFlow is executing eagerly."""
-    if tf.executing_eagerly():
-        raise ScopeError(f"{what} was used in eager mode. {EAGER_HINT}")
 
 
 def taskgraph_attr(name: str) -> tf.compat.v1.AttrValue:
@@ -44,11 +36,10 @@ class Strategy:
         self.spec = StrategySpec(kind, device_count,
                                  name or f"{kind.value}_{next(_AUTO_NAMES)}")
         self._stack = None
+        self._record = None
 
     def __enter__(self) -> "Strategy":
-        check_graph_mode(self.spec.describe())
-        graph = tf.compat.v1.get_default_graph()
-        state = graph_state(graph)
+        graph, state = default_graph_record(self.spec.describe())
         if state.scope_stack:
             outer = state.scope_stack[-1]
             raise ScopeError(
@@ -60,11 +51,12 @@ class Strategy:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(graph._attr_scope({TASKGRAPH_ATTR: taskgraph_attr(self.spec.name)}))
         state.scope_stack.append(self.spec)
+        self._record = state
         return self
 
     def __exit__(self, *exc) -> None:
-        state = graph_state(tf.compat.v1.get_default_graph())
-        state.scope_stack.pop()
+        self._record.scope_stack.pop()
+        self._record = None
         self._stack.close()
         self._stack = None
 
@@ -94,9 +86,7 @@ def set_default_strategy(strategy: Strategy | None) -> None:
     Calling it again switches the default (how EPL scripts mark pipeline stages
     layer by layer); None clears it. Explicit scopes still take precedence.
     """
-    check_graph_mode("epl.set_default_strategy")
-    graph = tf.compat.v1.get_default_graph()
-    state = graph_state(graph)
+    graph, state = default_graph_record("epl.set_default_strategy")
     if state.default_scope_exit is not None:
         state.default_scope_exit.close()
         state.default_scope_exit = None

@@ -324,7 +324,7 @@ def train(steps: int = 5, replica_weights=None, units: int | None = None,
                                int(sess.run(built.global_step)), graph)
 
 
-# The oracle's tolerance (DESIGN.md: "tolerances come from a measured noise floor").
+# The oracle's tolerance (docs/architecture.md, "Tests"; the design rule: tolerances come from a measured noise floor).
 # EPL computes the same function as single-device training in another order (per
 # replica and micro-batch, then a weighted reduction), so the two differ by float
 # rounding, and how far depends on the CPU's kernels (AVX2 and AVX-512 sum in

@@ -62,39 +62,6 @@ class ShardedVariable:
     offsets: tuple = ()   # where each shard starts along `axis`
 
 
-def shard_sizes(dim: int, count: int, weights=None, what: str = "dimension",
-                must_divide: bool = False) -> list[int]:
-    """Split `dim` into `count` positive integer extents.
-
-    weights: relative shares (capability-weighted plans); None = even. With
-    even shares (or `must_divide`) `dim` must be divisible by `count`; the
-    error says which dimension and how to fix it. Uneven shares are rounded
-    on cumulative boundaries (round(dim * cumulative share)), each at least 1.
-    """
-    if dim < count:
-        raise ParallelizeError(
-            f"cannot split a {what} of size {dim} over {count} devices: every device needs at "
-            f"least one row. Use epl.split(device_count<={dim}).")
-    even = weights is None or all(abs(w - weights[0]) < 1e-12 for w in weights)
-    if even or must_divide:
-        if dim % count:
-            raise ParallelizeError(
-                f"the {what} of size {dim} is not divisible by the split degree {count}, and "
-                "its shards must be even. Use a size divisible by "
-                f"{count}, or epl.split(device_count=d) with d dividing {dim}.")
-        if even:
-            return [dim // count] * count
-    total = float(sum(weights))
-    bounds, cumulative = [0], 0.0
-    for j, weight in enumerate(weights):
-        cumulative += weight / total
-        bound = dim if j == count - 1 else int(round(dim * cumulative))
-        bound = max(bound, bounds[-1] + 1)
-        bound = min(bound, dim - (count - 1 - j))
-        bounds.append(bound)
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
 def _shard_slice(full_shape, axis, offset, size):
     begin = [0] * len(full_shape)
     extent = list(full_shape)

@@ -9,15 +9,19 @@ parallel (the layer between EPL's API and its driver, epl/parallel.py).
   tensors, feeds, variable sync, bounded multi-worker runs).
 - Savers: checkpoints of split variables under their single-device names
   (epl.checkpoint.sharded_variable).
+- `epl.hooks.record`: each graph's `GraphRecord` (what construction and gradient
+  time saw), found there and handed on explicitly to everything below.
 
 `install()` (called by `epl.init`) wraps TensorFlow's methods, once.
 """
-from epl.checkpoint import sharded_variable
-from epl.hooks import optimizer, session
 
 
 def install() -> None:
-    """Install every hook (idempotent)."""
+    """Install every hook (idempotent). The modules are imported here, not at the
+    package's import, so that the scopes (epl/strategies.py) can use
+    epl.hooks.record without importing the hooks that use the scopes' layer."""
+    from epl.checkpoint import sharded_variable
+    from epl.hooks import optimizer, session
     optimizer.install()
     session.install()
     sharded_variable.install_saver_support()

@@ -27,10 +27,10 @@ from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
 from epl.ir.autodiff import inside_internal_autodiff, internal_autodiff
-from epl.ir.taskgraph import TrainStep, graph_state
+from epl.hooks.record import check_graph_mode, record_of
+from epl.ir.taskgraph import TrainStep
 from epl.parallel import run_gradient_time_pipeline
 from epl.checkpoint.sharded_variable import expand_views
-from epl.strategies import check_graph_mode
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _ORIGINAL = {}
@@ -71,7 +71,7 @@ def compute_gradients(self, loss, var_list=None, gate_gradients=_Optimizer.GATE_
     _tag_new_ops(graph, first, Phase.BACKWARD)
     kwargs = dict(gate_gradients=gate_gradients, aggregation_method=aggregation_method,
                   grad_loss=grad_loss, sparse_as_dense=sparse_as_dense)
-    graph_state(graph).train_steps.append(
+    record_of(graph).train_steps.append(
         TrainStep(loss=loss, grads_and_vars=list(grads_and_vars), gradient_kwargs=kwargs,
                   backward_ops=graph.get_operations()[first:]))
     return grads_and_vars
@@ -88,12 +88,10 @@ def split_before_autodiff(graph: tf.Graph, loss: tf.Tensor, var_list):
     shards), also for an optimizer created after an earlier split. A graph
     without split variables gets var_list unchanged.
     """
-    state = graph_state(graph)
-    done = {record.taskgraph for record in state.splits}
-    if any(tg.spec.kind == StrategyKind.SPLIT and tg.name not in done
-           for tg in state.taskgraphs):
-        run_gradient_time_pipeline(graph, loss)
-    if not state.splits:
+    record = record_of(graph)
+    if record.unsplit_taskgraphs():
+        run_gradient_time_pipeline(graph, record, loss)
+    if not record.splits:
         return var_list
     if var_list is None:
         var_list = (graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
@@ -118,11 +116,11 @@ def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     first = len(graph.get_operations())
     train_op = _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
     _tag_new_ops(graph, first, Phase.APPLY)
-    state = graph_state(graph)
-    step = _matching_step(state, grads_and_vars)
+    record = record_of(graph)
+    step = _matching_step(record, grads_and_vars)
     if step is None:
         step = TrainStep(loss=None, grads_and_vars=list(grads_and_vars))
-        state.train_steps.append(step)
+        record.train_steps.append(step)
     step.train_op = train_op if isinstance(train_op, tf.Operation) else train_op.op
     return train_op
 
@@ -134,10 +132,10 @@ def _graph_of(grads_and_vars) -> tf.Graph:
     return tf.compat.v1.get_default_graph()
 
 
-def _matching_step(state, grads_and_vars):
+def _matching_step(record, grads_and_vars):
     """The recorded step whose variables the apply call updates (latest first)."""
     applied = {id(v) for _, v in grads_and_vars}
-    for step in reversed(state.train_steps):
+    for step in reversed(record.train_steps):
         if step.train_op is None and {id(v) for _, v in step.grads_and_vars} & applied:
             return step
     return None
@@ -174,7 +172,7 @@ def _user_gradients(original, *args, **kwargs):
                        aggregation_method=call.get("aggregation_method"),
                        grad_loss=grad_ys[0] if isinstance(grad_ys, (list, tuple)) else grad_ys,
                        sparse_as_dense=False)
-        graph_state(graph).train_steps.append(TrainStep(
+        record_of(graph).train_steps.append(TrainStep(
             loss=loss, grads_and_vars=pairs, gradient_kwargs=kwargs_,
             backward_ops=graph.get_operations()[first:], from_gradients=True))
     return grads
@@ -184,8 +182,8 @@ def _refuse_split(graph: tf.Graph) -> None:
     """tf.gradients of a model with epl.split TaskGraphs: the split pass rewrites the
     forward graph before autodiff, which EPL does for the optimizer's
     compute_gradients (and minimize) only."""
-    state = graph_state(graph, create=False)
-    split = [tg.spec.describe() for tg in (state.taskgraphs if state else ())
+    record = record_of(graph, create=False)
+    split = [tg.spec.describe() for tg in (record.taskgraphs if record else ())
              if tg.spec.kind == StrategyKind.SPLIT]
     if split:
         raise ParallelizeError(

@@ -31,10 +31,10 @@ import time
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
+from epl.hooks.record import record_of
 from epl.ir.graph_view import ancestors
+from epl.parallel import ParallelGraph, needs_parallelize, parallelize
 from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
-from epl.ir.taskgraph import graph_state
-from epl.parallel import ParallelGraph, needs_parallelize, parallel_graph, parallelize
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
 from epl.checkpoint import damage
@@ -51,14 +51,26 @@ _ORIGINAL = {}
 _ABANDONED = []  # sessions left open because a run of theirs is stuck (see _session_close)
 
 
+def parallel_graph(graph: tf.Graph | None) -> ParallelGraph | None:
+    """The ParallelGraph of `graph` (in its record), or None if it was not parallelized."""
+    record = record_of(graph, create=False) if graph is not None else None
+    return record.result if record is not None else None
+
+
+def _parallelize_if_needed(graph: tf.Graph) -> None:
+    """Rewrite `graph` if EPL annotated it and has not rewritten it yet."""
+    record = record_of(graph, create=False)
+    if needs_parallelize(record):
+        parallelize(graph, record)
+
+
 def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
-    if needs_parallelize(graph_):
-        try:
-            parallelize(graph_)
-        except Exception:
-            self._session = None  # so BaseSession.__del__ of this half-built session is quiet
-            raise
+    try:
+        _parallelize_if_needed(graph_)
+    except Exception:
+        self._session = None  # so BaseSession.__del__ of this half-built session is quiet
+        raise
     result = parallel_graph(graph_)
     if result is not None:
         config = result.session_config(config)
@@ -66,9 +78,7 @@ def _session_init(self, target="", graph=None, config=None):
 
 
 def _scaffold_finalize(self):
-    graph = tf.compat.v1.get_default_graph()
-    if needs_parallelize(graph):
-        parallelize(graph)
+    _parallelize_if_needed(tf.compat.v1.get_default_graph())
     return _ORIGINAL["finalize"](self)
 
 

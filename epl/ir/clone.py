@@ -47,10 +47,18 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
-from epl.ir.taskgraph import graph_state
 
 COLOCATION_ATTR = "_class"
 _INPUT_PLACEHOLDER = "_epl_input_{}"
+# Set on the Python Operation of every op a NodeBatch created with a TaskGraph, a
+# phase and a device (tags and devices are never removed): the pass manager's
+# adoption of new ops and the verifier skip reading such an op's NodeDef again.
+_CREATED_COMPLETE = "_epl_created_complete"
+
+
+def created_complete(op: tf.Operation) -> bool:
+    """True if a NodeBatch created `op` with its TaskGraph, phase and device set."""
+    return getattr(op, _CREATED_COMPLETE, False)
 
 
 class NodeBatch:
@@ -126,10 +134,9 @@ class NodeBatch:
             ops = [graph._create_op_from_tf_operation(c_op, compute_device=False)
                    for c_op in created]
             _post_process(graph, ops)
-            complete = graph_state(graph).created_complete
-            complete.update(op for node, op in zip(self.nodes, ops)
-                            if node.device and TASKGRAPH_ATTR in node.attr
-                            and PHASE_ATTR in node.attr)
+            for node, op in zip(self.nodes, ops):
+                if node.device and TASKGRAPH_ATTR in node.attr and PHASE_ATTR in node.attr:
+                    setattr(op, _CREATED_COMPLETE, True)
             return {node.name: op for node, op in zip(self.nodes, ops)}
 
 

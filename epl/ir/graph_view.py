@@ -1,6 +1,7 @@
 """Analysis of an annotated training graph: phases, TaskGraphs, what to replicate.
 
-`analyze(graph, state)` reads the graph (never op names) and returns a
+`analyze(graph, record)` reads the graph (never op names) and the record of what
+construction and gradient time saw (epl/ir/record.py), and returns a
 `TrainingView`: the TaskGraph and Phase of every op, the ops one training step
 runs, the batch inputs to slice, the variables to mirror and the ops that make
 up one replica of the model. Passes read the view; they do not recompute it.
@@ -47,8 +48,8 @@ from epl.errors import ParallelizeError
 from epl.ir.annotations import (PHASE_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind,
                                 StrategySpec)
 from epl.ir.clone import COLOCATION_ATTR
-
-from epl.ir.taskgraph import GraphState, TaskGraph
+from epl.ir.record import GraphRecord
+from epl.ir.taskgraph import TaskGraph
 
 COLOCATION_PREFIX = b"loc:@"  # a `_class` entry naming the op to colocate with
 VARIABLE_OP_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
@@ -84,6 +85,7 @@ class TrainingView:
     split_ops: forward ops of split TaskGraphs (run once, not copied).
     split_apply_ops: apply ops that update a variable of a split op (run once).
     split_variables: variables read by split ops (the shards; not mirrored).
+    split_records: the split pass's SplitRecord of each split TaskGraph (from the record).
     tags: op -> OpTags, its attributes as analysis read them (before any pass).
     """
 
@@ -105,6 +107,7 @@ class TrainingView:
     split_apply_ops: list = dataclasses.field(default_factory=list)
     split_variables: list = dataclasses.field(default_factory=list)
     tags: dict = dataclasses.field(default_factory=dict)
+    split_records: list = dataclasses.field(default_factory=list)
 
     def describe_op(self, op: tf.Operation) -> str:
         """One line naming an op for error messages: name, type, shape, TaskGraph, device."""
@@ -305,7 +308,7 @@ def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor
     return sources, batch
 
 
-def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Operation, TaskGraph]:
+def _resolve_taskgraphs(ops, taskgraphs: list, phase_of, tags) -> dict[tf.Operation, TaskGraph]:
     """TaskGraph of every op, following the rules in the module docstring.
 
     A variable that no rule places (created outside every scope and colocated with
@@ -313,19 +316,19 @@ def _resolve_taskgraphs(ops, state: GraphState, phase_of, tags) -> dict[tf.Opera
     apply_gradients) but whose updates all belong to one TaskGraph (the stage of the
     parameter whose gradient they read) belongs to that TaskGraph, with the ops that
     take its handle: a second resolution with those variables as hints."""
-    first = next(tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT)
-    resolved, defaulted = _resolve_once(ops, state, phase_of, tags, first, {})
+    first = next(tg for tg in taskgraphs if tg.spec.kind != StrategyKind.SPLIT)
+    resolved, defaulted = _resolve_once(ops, taskgraphs, phase_of, tags, first, {})
     hints = _updated_variable_hints(ops, phase_of, resolved, defaulted, first)
     if hints:
-        resolved, _ = _resolve_once(ops, state, phase_of, tags, first, hints)
+        resolved, _ = _resolve_once(ops, taskgraphs, phase_of, tags, first, hints)
     return resolved
 
 
-def _resolve_once(ops, state: GraphState, phase_of, tags, first: TaskGraph, hints: dict
+def _resolve_once(ops, taskgraphs: list, phase_of, tags, first: TaskGraph, hints: dict
                   ) -> tuple[dict[tf.Operation, TaskGraph], set]:
     """(TaskGraph of every op, the ops no rule placed: they got `first`). hints:
     variable op -> its TaskGraph, for variables no rule places."""
-    taskgraph_named = {tg.name: tg for tg in reversed(state.taskgraphs)}  # first of a name wins
+    taskgraph_named = {tg.name: tg for tg in reversed(taskgraphs)}  # first of a name wins
     op_named = {op_tags.name: op for op, op_tags in tags.items()}
     resolved: dict[tf.Operation, TaskGraph] = {}
     defaulted = set()
@@ -518,12 +521,12 @@ def derive_train_op(step) -> tf.Operation | None:
     return max(covering, key=lambda op: op._id)
 
 
-def training_steps(state: GraphState):
+def training_steps(record: GraphRecord):
     """The recorded steps that train (a train op recorded by apply_gradients, or found
     in the graph for a step recorded from tf.gradients or whose optimizer overrides
     apply_gradients); error if there are none."""
     steps = []
-    for step in state.train_steps:
+    for step in record.train_steps:
         if step.loss is None:
             continue
         if step.train_op is None:
@@ -533,7 +536,7 @@ def training_steps(state: GraphState):
             step.train_op, step.derived_train_op = train_op, True
         steps.append(step)
     if not steps:
-        seen = [s for s in state.train_steps if s.loss is not None]
+        seen = [s for s in record.train_steps if s.loss is not None]
         raise ParallelizeError(
             "the graph has EPL strategy annotations but no training step: EPL parallelizes "
             "the step that updates trainable variables from gradients (Optimizer.minimize, "
@@ -545,10 +548,10 @@ def training_steps(state: GraphState):
     return steps
 
 
-def has_training_step(state: GraphState) -> bool:
+def has_training_step(record: GraphRecord) -> bool:
     """True if a recorded step trains (see `training_steps`); its problems, if any,
     are reported by analysis."""
-    for step in state.train_steps:
+    for step in record.train_steps:
         if step.loss is None:
             continue
         if step.train_op is not None:
@@ -561,11 +564,19 @@ def has_training_step(state: GraphState) -> bool:
     return False
 
 
-def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
-    """Build the TrainingView of `graph`; raises ParallelizeError on bad input."""
-    steps = training_steps(state)
-    if not any(tg.spec.kind != StrategyKind.SPLIT for tg in state.taskgraphs):
-        state.add_taskgraph(IMPLICIT_SPEC)  # ops outside any scope: the default strategy
+def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None) -> TrainingView:
+    """Build the TrainingView of `graph` from its `record`; raises ParallelizeError on
+    bad input.
+
+    taskgraphs: the TaskGraphs to analyse with (default: the record's; the automatic
+    stages hand theirs). A model with no replicated TaskGraph gets the implicit
+    `epl.replicate(1)` (ops outside any scope) in the view; the record is unchanged.
+    """
+    steps = training_steps(record)
+    taskgraphs = list(record.taskgraphs if taskgraphs is None else taskgraphs)
+    if not any(tg.spec.kind != StrategyKind.SPLIT for tg in taskgraphs):
+        # ops outside any scope: the default strategy
+        taskgraphs.append(TaskGraph(index=len(taskgraphs), spec=IMPLICIT_SPEC))
     ops = graph.get_operations()
     tags = {op: read_tags(op) for op in ops}
     losses = [s.loss for s in steps]
@@ -582,13 +593,13 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     batch_region = ancestors([t.op for t in batch_inputs])
     phase_of = _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region,
                                 batch_inputs, steps)
-    taskgraph_of = _resolve_taskgraphs(ops, state, phase_of, tags)
+    taskgraph_of = _resolve_taskgraphs(ops, taskgraphs, phase_of, tags)
     variable_ops = [op for op in ops if tags[op].type in VARIABLE_OP_TYPES]
     step_region = [op for op in ops
                    if tags[op].type not in VARIABLE_OP_TYPES and op not in batch_region and (
                        phase_of[op] == Phase.FORWARD or (
                            phase_of[op] in (Phase.BACKWARD, Phase.APPLY) and op in step_ops))]
-    split_tgs = [tg for tg in state.taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
+    split_tgs = [tg for tg in taskgraphs if tg.spec.kind == StrategyKind.SPLIT]
     split_ops, split_apply, split_variables = _split_parts(
         step_region, split_tgs, taskgraph_of, phase_of, [op for op in variable_ops
                                                          if not tags[op].split_replaced])
@@ -597,9 +608,10 @@ def analyze(graph: tf.Graph, state: GraphState) -> TrainingView:
     replica_set = set(replica_ops)
     variables = [op for op in variable_ops
                  if any(c in replica_set for out in op.outputs for c in out.consumers())]
-    replicated_tgs = [tg for tg in state.taskgraphs if tg.spec.kind != StrategyKind.SPLIT]
+    replicated_tgs = [tg for tg in taskgraphs if tg.spec.kind != StrategyKind.SPLIT]
     view = TrainingView(graph, replicated_tgs, taskgraph_of, phase_of, step_ops,
                         replica_ops, batch_inputs, batch, variables, losses, gradients, train_ops,
-                        steps, split_tgs, split_ops, split_apply, split_variables, tags)
+                        steps, split_tgs, split_ops, split_apply, split_variables, tags,
+                        list(record.splits))
     _check_control_flow(replica_ops, view.describe_op, tags)
     return view

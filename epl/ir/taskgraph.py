@@ -1,15 +1,10 @@
-"""TaskGraph: a part of the model under one strategy, and the per-graph state.
-
-A `GraphState` is attached to each tf.Graph that EPL annotates. It holds what
-construction and gradient time recorded (TaskGraphs in creation order, the
-losses, the gradients and the train ops) and, after parallelization, the
-result the session integration needs. It is reached with `graph_state(graph)`;
-there is one per graph, never a process-wide grab-bag.
+"""TaskGraph (a part of the model under one strategy) and TrainStep (one optimizer
+step recorded at gradient time): what construction and gradient time record about
+a graph, in its `epl.ir.record.GraphRecord`.
 """
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -62,51 +57,3 @@ class TrainStep:
     from_gradients: bool = False
     # the train op was found in the graph (no hooked apply_gradients recorded it)
     derived_train_op: bool = False
-
-
-@dataclasses.dataclass
-class GraphState:
-    """What EPL knows about one tf.Graph."""
-
-    taskgraphs: list[TaskGraph] = dataclasses.field(default_factory=list)
-    scope_stack: list[StrategySpec] = dataclasses.field(default_factory=list)
-    default_spec: StrategySpec | None = None
-    default_scope_exit: Any = None
-    train_steps: list[TrainStep] = dataclasses.field(default_factory=list)
-    # epl/passes/split.SplitRecord per split TaskGraph, written at gradient time
-    splits: list = dataclasses.field(default_factory=list)
-    dumps_written: int = 0   # pass dumps written before parallelize (the split pass)
-    parallelized: bool = False
-    result: Any = None   # epl.parallel.ParallelGraph once parallelized
-    # ops epl.ir.clone.NodeBatch created with a TaskGraph, a phase and a device
-    # already set (tags and devices are never removed): the pass manager's
-    # adoption of new ops and the verifier skip reading their NodeDefs again
-    created_complete: set = dataclasses.field(default_factory=set)
-
-    def taskgraph(self, name: str) -> TaskGraph | None:
-        """Return the TaskGraph called `name`, or None."""
-        for taskgraph in self.taskgraphs:
-            if taskgraph.name == name:
-                return taskgraph
-        return None
-
-    def add_taskgraph(self, spec: StrategySpec) -> TaskGraph:
-        """Register a TaskGraph for `spec` (or return the one with that name)."""
-        existing = self.taskgraph(spec.name)
-        if existing is not None:
-            return existing
-        taskgraph = TaskGraph(index=len(self.taskgraphs), spec=spec)
-        self.taskgraphs.append(taskgraph)
-        return taskgraph
-
-
-_STATES: "weakref.WeakKeyDictionary[tf.Graph, GraphState]" = weakref.WeakKeyDictionary()
-
-
-def graph_state(graph: tf.Graph, create: bool = True) -> GraphState | None:
-    """Return the GraphState of `graph`, creating it when `create` is true."""
-    state = _STATES.get(graph)
-    if state is None and create:
-        state = GraphState()
-        _STATES[graph] = state
-    return state

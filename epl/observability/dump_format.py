@@ -202,6 +202,12 @@ def write_pass_dump(dump_dir: str, index: int, pass_name: str,
     return os.path.join(dump_dir, graph_file)
 
 
+def next_dump_index(dump_dir: str) -> int:
+    """The index after the last entry of `dump_dir`'s manifest (0 without one): where a
+    dump that continues an earlier one (the same graph's gradient-time passes) goes on."""
+    return max((e["index"] for e in _read_manifest_entries_for_update(dump_dir)), default=-1) + 1
+
+
 def _summary_record(summary: dict | None, index: int, pass_name: str,
                     graph_file: str, graph_def: graph_pb2.GraphDef) -> dict:
     """Return the JSON record of a pass: the summary plus the fixed keys."""

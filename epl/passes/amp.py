@@ -43,9 +43,10 @@ from tensorflow.python.framework import kernels
 from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
-from epl.ir.graph_view import input_args
+from epl.ir.graph_view import TrainingView, input_args
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
+from epl.planner.plan import Plan
 
 # the one list of op types AMP lowers, shared with the planner's memory model
 _LOG = logging.getLogger(__name__)
@@ -97,32 +98,29 @@ def _device_type(device: str) -> str:
     return tf.DeviceSpec.from_string(device).device_type or "CPU"
 
 
-def loss_scale_setting(config) -> float | str | None:
-    """None (AMP off), "dynamic", or the fixed scale."""
-    if not config.get("amp.level"):
-        return None
-    value = config.get("amp.loss_scale")
-    return "dynamic" if isinstance(value, str) else float(value)
-
-
 class AmpPass(GraphPass):
     """Lowers compute-heavy forward ops to amp.dtype and sets up loss scaling."""
 
     name = "amp"
-    requires = ("annotate",)
+    requires = (TrainingView, Plan)
+    # the lowered ops take the place of the ops they replace in the view the passes
+    # after this one read
+    provides = (AmpRewrite, TrainingView)
+    after = ("annotate",)
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
-        setting = loss_scale_setting(ctx.config)
+        setting = self.options.loss_scale
+        view = ctx.get(TrainingView)
         if setting is None:
             return
-        for step in ctx.view.steps:
+        for step in view.steps:
             if step.loss.shape.rank != 0:
                 raise ParallelizeError(
                     f"amp loss scaling needs a scalar loss, but {step.loss.name} has shape "
                     f"{step.loss.shape}. Minimize the mean over examples (tf.reduce_mean).")
         if setting != "dynamic":
             return
-        refs = [var for _, var in ctx.view.gradients if var.type != "VarHandleOp"]
+        refs = [var for _, var in view.gradients if var.type != "VarHandleOp"]
         if refs:
             raise ParallelizeError(
                 f"amp.loss_scale 'dynamic' skips the update of a step whose gradients overflow, "
@@ -132,13 +130,9 @@ class AmpPass(GraphPass):
 
     off_note = "amp.level is off"
 
-    def enabled(self, config) -> bool:
-        """amp.level is set."""
-        return bool(config.get("amp.level"))
-
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        config, view = ctx.config, ctx.view
-        dtype = tf.as_dtype(config.get("amp.dtype"))
+        options, view, plan = self.options, ctx.get(TrainingView), ctx.get(Plan)
+        dtype = tf.as_dtype(options.dtype)
         converted, fallbacks = {}, []
         replacement: dict = {}  # template op -> ops standing in for it (creation order)
         for op in [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD]:
@@ -147,7 +141,7 @@ class AmpPass(GraphPass):
             attrs = _float_type_attrs(op)
             if not attrs:
                 continue
-            device = ctx.plan.device(view.taskgraph_of[op], 0)
+            device = plan.device(view.taskgraph_of[op], 0)
             if not has_kernel(op.type, _device_type(device), attrs, dtype):
                 reason = (f"{op.name} ({op.type}) kept in float32: no {dtype.name} kernel on "
                           f"{_device_type(device)}")
@@ -156,12 +150,13 @@ class AmpPass(GraphPass):
                 continue
             replacement[op] = self._lower(graph, view, op, attrs, dtype)
             converted[op] = replacement[op][-2]
-            if config.get("amp.debug_log"):
+            if options.debug_log:
                 _LOG.info("amp: %s (%s) runs in %s", op.name, op.type, dtype.name)
-        view = ctx.view = self._lowered_view(view, replacement)
-        setting = loss_scale_setting(config)
+        view = self._lowered_view(view, replacement)
+        ctx.provide(view)
+        setting = options.loss_scale
         scale, scale_var, good_var = self._loss_scale(graph, view, setting, ctx.cluster.host_device)
-        ctx.amp = AmpRewrite(dtype, scale, scale_var, good_var, converted, fallbacks)
+        ctx.provide(AmpRewrite(dtype, scale, scale_var, good_var, converted, fallbacks))
         notes = [f"{len(converted)} ops in {dtype.name}, loss scale {setting}"]
         notes += fallbacks
         return PassResult(added=[o.name for ops in replacement.values() for o in ops],
@@ -206,8 +201,8 @@ class AmpPass(GraphPass):
     @staticmethod
     def _lowered_view(view, replacement: dict):
         """A new TrainingView in which the lowered ops take the place of the ops they
-        replace (the passes after this one read it as ctx.view); the driver's analysis
-        itself is left as it was."""
+        replace (the passes after this one read it); the driver's analysis itself is
+        left as it was."""
         ops = []
         phase_of, taskgraph_of, step_ops = dict(view.phase_of), dict(view.taskgraph_of), \
             set(view.step_ops)

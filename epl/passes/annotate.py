@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.attrs import set_string_attrs
+from epl.ir.graph_view import TrainingView
 from epl.passes.manager import GraphPass, PassContext, PassResult
 
 
@@ -37,10 +38,11 @@ class AnnotatePass(GraphPass):
     """Tags every op with its resolved TaskGraph and Phase."""
 
     name = "annotate"
-    requires = ()
+    requires = (TrainingView,)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        view = ctx.view
+        view = ctx.get(TrainingView)
         changed = set_string_attrs(graph, _differing_tags(graph.get_operations(), view))
         counts = {phase.value: n for phase, n in collections.Counter(view.phase_of.values()).items()}
-        return PassResult(notes=[f"{changed} attributes set; ops by phase {counts}"])
+        return PassResult(notes=[f"{changed} attributes set; ops by phase {counts}"],
+                          modified=changed > 0)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
-from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.ir.graph_view import VARIABLE_OP_TYPES, TrainingView, ancestors
 from epl.passes.manager import GraphPass, PassContext, PassResult
 
 
@@ -63,20 +63,18 @@ class ApplyGroupsPass(GraphPass):
     """Orders the updates in optimizer.num_apply_group groups per replica."""
 
     name = "apply_groups"
-    requires = ("gradient_comm",)
+    requires = (TrainingView,)
+    after = ("gradient_comm",)   # groups the updates with their reductions in place
 
     off_note = "optimizer.num_apply_group is 1: nothing to do"
 
-    def enabled(self, config) -> bool:
-        """optimizer.num_apply_group is above 1."""
-        return int(config.get("optimizer.num_apply_group")) > 1
-
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        groups = int(ctx.config.get("optimizer.num_apply_group"))
+        groups = self.options.groups
         edges = 0
-        for replica_groups in update_groups(graph, groups, ctx.view.train_ops).values():
+        for replica_groups in update_groups(graph, groups, ctx.get(TrainingView).train_ops).values():
             for earlier, later in zip(replica_groups, replica_groups[1:]):
                 for op in later:
                     graph_mutation.add_control_inputs(op, earlier)
                     edges += len(earlier)
-        return PassResult(notes=[f"{edges} control edges for {groups} apply groups"])
+        return PassResult(notes=[f"{edges} control edges for {groups} apply groups"],
+                          modified=edges > 0)

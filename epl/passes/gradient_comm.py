@@ -42,9 +42,12 @@ from tensorflow.python.framework import tensor_util
 
 from epl.ir.annotations import PHASE_ATTR, Phase
 from epl.ir.clone import NodeBatch, replace_input, with_dynamic_rows
+from epl.passes.gradient_flow import ReplicaGradients
 from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.replication.result import Replication
+from epl.passes.zero import ZeroSharding
+from epl.planner.plan import Plan
 from epl.runtime.horovod_comm import names_fragment, names_label
-from epl.passes import gradient_flow
 
 MB = 1 << 20
 _INT32_MAX = 2 ** 31 - 1  # larger static dimensions make TensorFlow write shapes as int64
@@ -108,26 +111,37 @@ def _merge_excess(buckets: list[Bucket], dtype, max_splits: int) -> None:
         buckets.remove(last)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReducedGradients:
+    """What the gradient_comm pass reduced: variable name -> how many reductions its
+    gradient got (the verify pass checks it is one each)."""
+
+    counts: dict
+
+
 class GradientCommPass(GraphPass):
     """All-reduces the gradients over replicas (fused) and rewires the updates."""
 
     name = "gradient_comm"
     # reduces the gradients as accumulate and unscale left them; skips those ZeRO
     # reduce-scattered itself
-    requires = ("replicate", "accumulate", "unscale", "zero")
+    requires = (Plan, Replication, ReplicaGradients)
+    optional = (ZeroSharding,)
+    provides = (ReducedGradients,)
+    after = ("accumulate", "unscale", "zero")
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        replication = ctx.replication
-        config = ctx.config
-        method = config.get("communication.gradients_reduce_method")
+        replication = ctx.get(Replication)
+        options = self.options
+        method = options.reduce_method
         if replication.presummed:  # gradients already weighted by batch share (split models)
             method = "sum"
-        even = ctx.plan.even and ctx.communicator.num_workers == 1
-        fp16_scale = float(config.get("communication.fp16_scale")) if config.get("communication.fp16") else None
+        even = ctx.get(Plan).even and ctx.communicator.num_workers == 1
+        fp16_scale = options.fp16_scale
         first_new = len(graph.get_operations())
-        zero = ctx.zero  # gradients ZeRO reduce-scattered itself
+        zero = ctx.find(ZeroSharding)  # gradients ZeRO reduce-scattered itself
         sharded = zero.reduced if zero is not None else {}
-        per_gradient = [entry for entry in gradient_flow.replica_gradients(ctx).entries
+        per_gradient = [entry for entry in ctx.get(ReplicaGradients).entries
                         if entry[0].name not in sharded]
         needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
         reduced_of: dict[str, int] = {}
@@ -142,8 +156,7 @@ class GradientCommPass(GraphPass):
                 if not dense:
                     continue
                 for bucket in plan_buckets([per_gradient[i][1][0] for i in dense],
-                                           float(config.get("communication.fusion_threshold_mb")) * MB,
-                                           int(config.get("communication.max_splits"))):
+                                           options.fusion_threshold_bytes, options.max_splits):
                     buckets.append(bucket)
                     bucket_members.append([dense[i] for i in bucket.members])
             _reduce_buckets(graph, ctx.communicator,
@@ -165,11 +178,13 @@ class GradientCommPass(GraphPass):
                 if isinstance(grads[0], tf.IndexedSlices):
                     _rewire_sparse(original, grads[0].values, grads[0].indices)
         reduced_of.update(sharded)
-        ctx.reduced = reduced_of
+        ctx.provide(ReducedGradients(reduced_of))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{len(per_gradient)} gradients in {len(buckets)} buckets ({method}"
-            f"{', fp16' if fp16_scale else ''})"])
+            f"{', fp16' if fp16_scale else ''})"],
+            modified=bool(added) or needs_comm or any(
+                isinstance(grads[0], tf.IndexedSlices) for _, grads, _ in per_gradient))
 
     @staticmethod
     def _gather_sparse(communicator, grads, original, weights, method, name=None):

@@ -11,8 +11,10 @@ reads them, never reaching back upstream:
       -> zero / gradient_comm (reduced over replicas and workers)
       -> skip_on_overflow (the updates run only on a finite step)
 
-`replica_gradients(ctx)` is what the communication passes read: the latest of
-those stages that ran (a stage that is off leaves the gradients as they were).
+Each of replicate, accumulate and unscale provides a `ReplicaGradients` result
+(epl/passes/manager.py: results keyed by type, the latest wins), so what the
+communication passes read, `ctx.get(ReplicaGradients)`, is the gradients as the
+last of those stages that ran left them (a stage that is off leaves them as they were).
 """
 from __future__ import annotations
 
@@ -35,16 +37,6 @@ class ReplicaGradients:
 
     entries: list
     split: list
-
-
-def replica_gradients(ctx) -> ReplicaGradients:
-    """The gradients as the last gradient stage that ran left them (unscale, else
-    accumulate, else replicate)."""
-    for stage in (ctx.unscale, ctx.accumulation):
-        if stage is not None:
-            return stage.gradients
-    replication = ctx.replication
-    return ReplicaGradients(list(replication.gradients), list(replication.split_gradients))
 
 
 def tensors_of(gradient) -> list[tf.Tensor]:

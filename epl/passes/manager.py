@@ -1,95 +1,165 @@
-"""Pass manager: runs graph passes in order, with instruments around each.
+"""The pass framework: passes, their typed results, the context, the manager.
 
-A pass is a class with `name`, `requires` (passes that must have run before
-it), `enabled(config)` (whether the config asks for it) and
-`run(graph, ctx) -> PassResult`. Passes keep no state: what one pass
-hands to the next goes into its own field of the PassContext (`ctx.replication`,
-`ctx.amp`, ...), which no other pass writes.
-The manager checks every pass's `requires` before running anything, runs the
-instruments before and after each pass (dump, timing, invariant checks), and
-turns a failure into a PassError that names the pass and the passes before it.
+A pass (`GraphPass`) is a class with a `name`, typed options given to its
+constructor (`epl/passes/options.py` reads them from the config, once, for the
+whole pipeline), and a `run(graph, ctx) -> PassResult`. What passes hand each
+other are *results keyed by type* (docs/architecture.md, "Passes"):
+
+- `provides`: the result types the pass may write (`ctx.provide(value)`); a type may
+  be provided by several passes in turn, and readers get the latest (the
+  gradients flow that way: `ReplicaGradients` is provided by replicate, then
+  accumulate, then unscale);
+- `requires`: the result types it reads and cannot do without
+  (`ctx.get(Type)`); `optional`: those it reads when the pass providing them
+  ran (`ctx.find(Type)`, None otherwise);
+- `after`: names of passes that must run before it for another reason than a
+  result (it rewrites what they built).
+
+The driver puts the run's inputs into the context the same way (the analysis,
+`TrainingView`; the `Plan`; the gradient-time `SplitRecords`; ...), so an input
+is a result type like any other. The manager checks, before anything runs, that
+every required type is provided by an input or an enabled earlier pass, and
+every `after` pass comes earlier; while a pass runs, a read or write of a type
+it does not declare is an error (a pass cannot depend on a result silently).
+
+Passes keep no state and read no config: their options are values. A pass
+that is off (its options say so, or `debug.disabled_passes` names it) stays in
+the list, marked off: the manager runs neither its `validate` nor its `run` and
+records its `off_note` (the dump shows it). Under `debug.check_invariants` the
+`FingerprintInstrument` checks each pass's `PassResult.modified` against a
+fingerprint of the graph before and after it.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import tensorflow as tf
 
-from epl.observability.dump_format import rank_dump_dir, write_pass_dump
 from epl.errors import EPLError, PassError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.attrs import set_string_attrs
-from epl.ir.taskgraph import graph_state
+from epl.ir.clone import created_complete
+from epl.observability.dump_format import next_dump_index, rank_dump_dir, write_pass_dump
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class PassResult:
-    """What a pass changed: op names added and removed, and old -> new op names."""
+    """What a pass changed: op names added and removed, old -> new op names, notes,
+    and whether it changed the graph at all (checked under debug.check_invariants)."""
 
     added: list[str] = dataclasses.field(default_factory=list)
     removed: list[str] = dataclasses.field(default_factory=list)
     op_map: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    modified: bool = True
 
 
-@dataclasses.dataclass
 class PassContext:
-    """Everything a pass may read: config, plan, cluster, analysis, and the results of
-    the passes before it (typed fields, one per result)."""
+    """One pipeline run's inputs and the passes' results, keyed by type.
 
-    config: Any
-    plan: Any  # None for the passes before the analysis (GraphPass.before_analysis)
-    cluster: Any
-    view: Any  # the analysis (TrainingView); the amp pass hands on a new one with its ops
-    communicator: Any
-    # What the passes hand on, one field per result, each written by one pass only and
-    # read by the passes after it (None until its pass ran, or when it is off):
-    stages: Any = None          # auto_stages: the StagePartition it applied
-    amp: Any = None             # amp: an AmpRewrite (epl/passes/amp.py)
-    recompute: Any = None       # recompute: a Recompute (epl/passes/recompute/recompute.py)
-    replication: Any = None     # replicate: a Replication (epl/passes/replication/result.py)
-    gradient_check: Any = None  # replicate: (plain, checkpointed) gradients of replica 0
-    accumulation: Any = None    # accumulate: an Accumulation (epl/passes/pipeline/accumulate.py)
-    schedule: Any = None        # schedule: a ScheduleLowering (epl/passes/pipeline/schedule.py)
-    unscale: Any = None         # unscale: an Unscaling (epl/passes/unscale.py)
-    zero: Any = None            # zero: a ZeroSharding (epl/passes/zero.py)
-    reduced: Any = None         # gradient_comm: gradient tensor -> its reduced tensor
-    # gradient time (the split pass): its inputs, set by the driver, and its records
-    split_loss: Any = None      # the loss compute_gradients was given
-    split_plans: Any = None     # TaskGraph name -> SplitPlan
-    split_records: Any = None   # split: a SplitRecord per TaskGraph it split (the
-    #                             training passes get the graph's, from the driver)
-    # pass name -> what its validate() returned: its analysis of the graph as the user
-    # built it, which only that pass's run() reads
-    validated: dict = dataclasses.field(default_factory=dict)
-    timings: dict = dataclasses.field(default_factory=dict)
-    passes_run: list = dataclasses.field(default_factory=list)
-    passes_off: list = dataclasses.field(default_factory=list)  # not enabled by the config
+    cluster, communicator: this worker's devices and its collectives (every pass may
+    use them). inputs: the driver's values (the analysis, the plan, the gradient-time
+    records, ...), each keyed by its type. `get`, `find` and `provide` are how passes
+    read and write results; the manager checks them against what the running pass
+    declares. `timings`, `passes_run`, `passes_off` and `validated` are the manager's
+    bookkeeping.
+    """
+
+    def __init__(self, cluster: Any, communicator: Any, inputs: tuple = ()):
+        self.cluster = cluster
+        self.communicator = communicator
+        self._results: dict[type, Any] = {}
+        self._running: GraphPass | None = None
+        self.timings: dict[str, float] = {}
+        self.passes_run: list[str] = []
+        self.passes_off: list[str] = []
+        # pass name -> what its validate() returned (its analysis of the graph as the
+        # user built it), which only that pass's run() reads
+        self.validated: dict[str, Any] = {}
+        for value in inputs:
+            self._results[type(value)] = value
+
+    @property
+    def available(self) -> set:
+        """The result types held now."""
+        return set(self._results)
+
+    def get(self, kind: type[T]) -> T:
+        """The latest result of type `kind`; PassError when there is none (its pass
+        is off) or the running pass does not declare it."""
+        self._check_read(kind, optional=False)
+        if kind not in self._results:
+            raise PassError(f"no {kind.__name__} result: the pass that provides it did not "
+                            f"run (passes run: {self.passes_run or 'none'}, off: "
+                            f"{self.passes_off or 'none'})")
+        return self._results[kind]
+
+    def find(self, kind: type[T]) -> T | None:
+        """The latest result of type `kind`, or None when none was provided."""
+        self._check_read(kind, optional=True)
+        return self._results.get(kind)
+
+    def provide(self, value: Any) -> None:
+        """Store `value` as the latest result of its type."""
+        running = self._running
+        if running is not None and type(value) not in running.provides:
+            raise PassError(f"pass {running.name!r} provided a {type(value).__name__}, which is "
+                            f"not among the types it declares in `provides` "
+                            f"({_names(running.provides)})")
+        self._results[type(value)] = value
+
+    def _check_read(self, kind: type, optional: bool) -> None:
+        running = self._running
+        if running is None:   # the driver, a test or an instrument: reads anything
+            return
+        declared = running.requires + running.optional + running.provides
+        if kind not in declared:
+            raise PassError(f"pass {running.name!r} read a {kind.__name__}, which it does not "
+                            f"declare (requires {_names(running.requires)}, optional "
+                            f"{_names(running.optional)}); add it to the pass's declarations")
+
+
+def _names(types: tuple) -> str:
+    return ", ".join(t.__name__ for t in types) or "none"
 
 
 class GraphPass(abc.ABC):
-    """A graph rewrite. Subclasses set `name` and `requires` and implement run().
-
-    `enabled(config)` says whether the config asks for this pass at all (ZeRO,
-    AMP, offload, apply groups are opt-in); the manager runs neither `validate`
-    nor `run` of a pass that is not enabled, and records `off_note` for it.
-    """
+    """A graph rewrite. Subclasses set `name` and the declarations, take their options
+    in the constructor and implement run() (see the module docstring)."""
 
     name: str = ""
-    requires: tuple[str, ...] = ()
+    requires: tuple[type, ...] = ()
+    optional: tuple[type, ...] = ()
+    provides: tuple[type, ...] = ()
+    after: tuple[str, ...] = ()
     off_note: str = "not enabled by the config"
     # True for a pass that runs on the graph as the user built it, before the driver
-    # analyses it and plans (ctx.view and ctx.plan are None): it may only retag ops,
-    # which the analysis then reads (the automatic stages). Such passes come first.
+    # analyses it and plans (no TrainingView or Plan yet): it may only retag ops, which
+    # the analysis then reads (the automatic stages). Such passes come first.
     before_analysis: bool = False
 
-    def enabled(self, config: Any) -> bool:
-        """True if `config` asks for this pass (default: always)."""
-        return True
+    def __init__(self, options: Any = None):
+        self.options = options
+        self.disabled_by_name = False   # debug.disabled_passes (set by the pipeline builder)
+
+    @property
+    def enabled(self) -> bool:
+        """True if this pass runs: its options ask for it (`options.enabled`, default
+        True) and debug.disabled_passes does not name it."""
+        return not self.disabled_by_name and bool(getattr(self.options, "enabled", True))
+
+    def why_off(self) -> str:
+        """The note recorded for a pass that is off."""
+        if self.disabled_by_name:
+            return "disabled by debug.disabled_passes"
+        return self.off_note
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> Any:
         """Raise an EPLError if this pass cannot run on `graph` (changes nothing).
@@ -112,7 +182,7 @@ class Instrument:
 
     def after(self, graph_pass: GraphPass, graph: tf.Graph, ctx: PassContext,
               result: PassResult, duration_s: float) -> None:
-        """Called after a pass succeeded."""
+        """Called after a pass succeeded (or was found off)."""
 
 
 class TimingInstrument(Instrument):
@@ -126,20 +196,21 @@ class DumpInstrument(Instrument):
     """Writes the graph before the first pass and after each pass (debug.dump_dir).
 
     The format is epl.observability.dump_format's; with several workers each writes
-    `dump_dir`/rank_<r>.
+    `dump_dir`/rank_<r>. The instrument keeps its own index: a new dump starts at
+    0 ("input"); with `continues` (parallelize time after gradient-time dumps of the
+    same graph) it goes on after the last entry of the directory's manifest, and
+    its first dump is "gradients".
     """
 
-    def __init__(self, dump_dir: str, first_index: int = 0):
-        """first_index: index of the first dump (after dumps written at gradient time)."""
+    def __init__(self, dump_dir: str, continues: bool = False):
         self.dump_dir = dump_dir
-        self.first_index = first_index
+        self.continues = continues
+        self._next: int | None = None
 
     def before(self, graph_pass, graph, ctx):
-        # the graph the passes receive (once: the driver runs the passes before the
-        # analysis, then the others, on one context)
-        if graph_pass is None and not ctx.passes_run and not ctx.passes_off:
-            name = "input" if self.first_index == 0 else "gradients"
-            self._write(self.first_index, name, graph,
+        if graph_pass is None and self._next is None:   # the graph the passes receive
+            self._next = next_dump_index(self._directory(ctx)) if self.continues else 0
+            self._write("gradients" if self._next else "input", graph,
                         {"duration_s": 0.0, "passes_before": []}, ctx)
 
     def after(self, graph_pass, graph, ctx, result, duration_s):
@@ -147,32 +218,66 @@ class DumpInstrument(Instrument):
         summary = {"duration_s": duration_s, "added": result.added, "removed": result.removed,
                    "op_map": result.op_map, "notes": result.notes,
                    "passes_before": list(ctx.passes_run[:-1] if ran else ctx.passes_run)}
-        index = self.first_index + len(ctx.passes_run) + len(ctx.passes_off)
-        self._write(index, graph_pass.name, graph, summary, ctx)
+        self._write(graph_pass.name, graph, summary, ctx)
 
-    def _write(self, index, name, graph, summary, ctx=None):
+    def _directory(self, ctx) -> str:
         cluster = getattr(ctx, "cluster", None)
-        directory = self.dump_dir if cluster is None else \
+        return self.dump_dir if cluster is None else \
             rank_dump_dir(self.dump_dir, cluster.worker_rank, cluster.num_workers)
-        write_pass_dump(directory, index, name, graph.as_graph_def(add_shapes=True), summary)
+
+    def _write(self, name, graph, summary, ctx):
+        write_pass_dump(self._directory(ctx), self._next, name,
+                        graph.as_graph_def(add_shapes=True), summary)
+        self._next += 1
 
 
-def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
+def graph_fingerprint(graph: tf.Graph) -> str:
+    """A digest of the whole graph (every NodeDef, its inputs, attributes and device)."""
+    data = graph.as_graph_def().SerializeToString(deterministic=True)
+    return hashlib.sha256(data).hexdigest()
+
+
+class FingerprintInstrument(Instrument):
+    """debug.check_invariants: a pass's `modified` flag agrees with the graph.
+
+    A pass that says it changed nothing must leave the fingerprint as it was, and a
+    pass that says it changed the graph must change it (a pass that found nothing to
+    do says modified=False)."""
+
+    def __init__(self):
+        self._before: str | None = None
+
+    def before(self, graph_pass, graph, ctx):
+        if graph_pass is not None and graph_pass.enabled:
+            self._before = graph_fingerprint(graph)
+
+    def after(self, graph_pass, graph, ctx, result, duration_s):
+        if graph_pass.name in ctx.passes_off:
+            return
+        changed = graph_fingerprint(graph) != self._before
+        if changed != result.modified:
+            raise PassError(
+                f"pass {graph_pass.name!r} reported modified={result.modified}, but the graph "
+                f"{'changed' if changed else 'is unchanged'}; a pass's PassResult.modified "
+                "must say whether it changed the graph")
+
+
+def adopt_new_ops(graph: tf.Graph, first_new: int, fallback_taskgraph: str,
+                  host_device: str) -> None:
     """Give ops a pass added without tags the TaskGraph, phase and device of an input.
 
     Passes tag and place the ops that matter (copies carry their original's
     attributes); helper ops (slices, casts, groups) inherit from their first
-    tagged input, or fall back to the first TaskGraph, phase "other" and the
-    host device.
+    tagged input, or fall back to `fallback_taskgraph`, phase "other" and
+    `host_device`.
 
-    Speed: each op's NodeDef is read once (its tags and device are remembered,
-    and updated when the op is adopted), and the tags are written together
-    through epl.ir.attrs.set_string_attrs.
+    Speed: ops a NodeBatch created tagged and placed (most of them: copies written
+    as NodeDefs) are skipped without reading their NodeDef (epl.ir.clone.created_complete);
+    any other op's NodeDef is read once (its tags and device are remembered, and
+    updated when the op is adopted), and the tags are written together through
+    epl.ir.attrs.set_string_attrs.
     """
-    if ctx.view is not None:
-        fallback_tg = ctx.view.taskgraphs[0].name.encode()
-    else:  # gradient time (the split pass): no view yet
-        fallback_tg = graph_state(graph).taskgraphs[0].name.encode()
+    fallback_tg = fallback_taskgraph.encode()
     known: dict = {}  # op -> [TaskGraph or None, phase or None, device] as read or adopted
 
     def read(op: tf.Operation) -> list:
@@ -184,10 +289,9 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
                                  attrs[PHASE_ATTR].s if PHASE_ATTR in attrs else None, node.device]
         return found
 
-    complete = graph_state(graph).created_complete  # tagged and placed when created
     tags = []  # (op, attribute, value) to write
     for op in graph.get_operations()[first_new:]:
-        if op in complete:
+        if created_complete(op):
             continue
         mine = read(op)
         if mine[0] is not None and mine[2]:
@@ -201,42 +305,61 @@ def adopt_new_ops(graph: tf.Graph, ctx: PassContext, first_new: int) -> None:
             mine[1] = theirs[1] if theirs[1] is not None else Phase.OTHER.value.encode()
             tags += [(op, TASKGRAPH_ATTR, mine[0]), (op, PHASE_ATTR, mine[1])]
         if not mine[2]:
-            mine[2] = theirs[2] or ctx.cluster.host_device
+            mine[2] = theirs[2] or host_device
             graph_mutation.set_device(op, mine[2])
     set_string_attrs(graph, tags)
 
 
 class PassManager:
-    """Runs an explicit list of passes over one graph."""
+    """Runs an explicit list of passes over one graph.
+
+    passes: run in this order. available: the result types the context holds
+    before the first of them (the driver's inputs, and what passes that ran
+    earlier on the same context provided). done: names of passes that already
+    ran on that context (a pass test runs a pipeline's prefix, then the pass under
+    test alone); they count for `after`. fallback_taskgraph: the TaskGraph given to
+    an op a pass added untagged, with no tagged input.
+    """
 
     def __init__(self, passes: list[GraphPass], instruments: list[Instrument] | None = None,
-                 after: tuple[str, ...] | list[str] = ()):
-        """passes: run in this order. after: names of passes that already ran on the
-        context this manager will be given (a pass test runs a pipeline's prefix, then
-        the pass under test alone); they count for `requires`."""
+                 available: tuple | set = (), done: tuple | list = (),
+                 fallback_taskgraph: str = "default"):
         self.passes = list(passes)
         self.instruments = list(instruments or [])
-        self._check_requires(list(after))
+        self.fallback_taskgraph = fallback_taskgraph
+        self._check_declarations(set(available), list(done))
 
-    def _check_requires(self, seen: list[str]) -> None:
+    def _check_declarations(self, available: set, done: list) -> None:
+        names = [p.name for p in self.passes]
         for graph_pass in self.passes:
-            missing = [r for r in graph_pass.requires if r not in seen]
+            missing = [r for r in graph_pass.after if r not in done]
             if missing:
-                raise PassError(
-                    f"pass {graph_pass.name!r} requires {missing} to run before it; the pipeline "
-                    f"is {[p.name for p in self.passes]}. Reorder the pass list.")
-            seen.append(graph_pass.name)
+                raise PassError(f"pass {graph_pass.name!r} must run after {missing}; the "
+                                f"pipeline is {names}. Reorder the pass list.")
+            if graph_pass.enabled:
+                absent = [t for t in graph_pass.requires if t not in available]
+                if absent:
+                    raise PassError(
+                        f"pass {graph_pass.name!r} requires {_names(tuple(absent))}, which no "
+                        f"input and no enabled pass before it provides; the pipeline is "
+                        f"{names} (off: {[p.name for p in self.passes if not p.enabled]}). "
+                        "Enable the pass that provides it, or reorder the pass list.")
+                available.update(graph_pass.provides)
+            done.append(graph_pass.name)
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
         """Validate every enabled pass on `graph` before any of them rewrites it."""
         for graph_pass in self.passes:
-            if not graph_pass.enabled(ctx.config):
+            if not graph_pass.enabled:
                 continue
+            ctx._running = graph_pass
             try:
                 ctx.validated[graph_pass.name] = graph_pass.validate(graph, ctx)
             except EPLError as err:
                 raise PassError(f"pass {graph_pass.name!r} rejected the graph before any "
                                 f"rewrite: {err}") from err
+            finally:
+                ctx._running = None
 
     def run(self, graph: tf.Graph, ctx: PassContext, validate: bool = True) -> PassContext:
         """Validate every pass (unless `validate` is False: the caller validated the
@@ -244,29 +367,35 @@ class PassManager:
         the context."""
         if validate:
             self.validate(graph, ctx)
-        enabled = {graph_pass.name: graph_pass.enabled(ctx.config) for graph_pass in self.passes}
         for instrument in self.instruments:
             instrument.before(None, graph, ctx)
         for graph_pass in self.passes:
             for instrument in self.instruments:
                 instrument.before(graph_pass, graph, ctx)
-            if not enabled[graph_pass.name]:
+            if not graph_pass.enabled:
                 ctx.passes_off.append(graph_pass.name)
-                off = PassResult(notes=[graph_pass.off_note])
+                off = PassResult(notes=[graph_pass.why_off()], modified=False)
                 for instrument in self.instruments:
                     instrument.after(graph_pass, graph, ctx, off, 0.0)
                 continue
-            first_new = len(graph.get_operations())
-            start = time.perf_counter()
-            try:
-                result = graph_pass.run(graph, ctx)
-            except EPLError as err:
-                raise PassError(
-                    f"pass {graph_pass.name!r} failed (passes run before it: "
-                    f"{ctx.passes_run or 'none'}): {err}") from err
-            duration = time.perf_counter() - start
-            adopt_new_ops(graph, ctx, first_new)
+            result, duration = self._run_one(graph_pass, graph, ctx)
             ctx.passes_run.append(graph_pass.name)
             for instrument in self.instruments:
                 instrument.after(graph_pass, graph, ctx, result, duration)
         return ctx
+
+    def _run_one(self, graph_pass: GraphPass, graph: tf.Graph, ctx: PassContext):
+        first_new = len(graph.get_operations())
+        start = time.perf_counter()
+        ctx._running = graph_pass
+        try:
+            result = graph_pass.run(graph, ctx)
+        except EPLError as err:
+            raise PassError(
+                f"pass {graph_pass.name!r} failed (passes run before it: "
+                f"{ctx.passes_run or 'none'}): {err}") from err
+        finally:
+            ctx._running = None
+        duration = time.perf_counter() - start
+        adopt_new_ops(graph, first_new, self.fallback_taskgraph, ctx.cluster.host_device)
+        return result, duration

@@ -27,7 +27,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.ir import graph_mutation
-from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.ir.graph_view import VARIABLE_OP_TYPES, TrainingView, ancestors
 from epl.passes.manager import GraphPass, PassContext, PassResult
 
 
@@ -45,17 +45,15 @@ class OffloadPass(GraphPass):
     """Places the step's variables and the ops on their handles on the host device."""
 
     name = "offload"
-    requires = ("replicate", "zero", "skip_on_overflow")  # moves what those built
+    requires = (TrainingView,)
+    after = ("replicate", "zero", "skip_on_overflow")  # moves what those built
 
     off_note = "offload.level is off"
 
-    def enabled(self, config) -> bool:
-        """offload.level is "v0"."""
-        return config.get("offload.level") == "v0"
-
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         host = ctx.cluster.host_device
-        variables = {op for op in ancestors(ctx.view.train_ops) if op.type in VARIABLE_OP_TYPES}
+        variables = {op for op in ancestors(ctx.get(TrainingView).train_ops)
+                     if op.type in VARIABLE_OP_TYPES}
         while True:  # an op taking two handles needs both on one device (even if never run)
             following = offloaded_ops(graph, variables)
             more = {t.op for op in following for t in op.inputs
@@ -64,9 +62,11 @@ class OffloadPass(GraphPass):
                 break
             variables |= more
         moved = [op for op in sorted(variables, key=lambda op: op._id) if op.device != host]
+        modified = bool(moved) or any(op.device != host for op in following)
         for op in variables:
             graph_mutation.set_device(op, host)
         for op in following:
             graph_mutation.set_device(op, host)
         return PassResult(notes=[f"{len(variables)} variables on {host} ({len(moved)} moved), "
-                                 f"{len(following)} ops on their handles follow them"])
+                                 f"{len(following)} ops on their handles follow them"],
+                          modified=modified)

@@ -26,10 +26,11 @@ import tensorflow as tf
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
-from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.ir.graph_view import VARIABLE_OP_TYPES, TrainingView, ancestors
+from epl.passes.amp import DYNAMIC_GROWTH_STEPS, AmpRewrite
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.passes.amp import DYNAMIC_GROWTH_STEPS, loss_scale_setting
-from epl.passes.unscale import SCOPE
+from epl.passes.replication.result import Replication
+from epl.passes.unscale import SCOPE, Unscaling
 
 READ_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "Identity", "ResourceGather",
                         "VariableShape"})
@@ -49,16 +50,14 @@ class SkipOnOverflowPass(GraphPass):
     """With a dynamic loss scale, skips the updates of an overflowed step everywhere."""
 
     name = "skip_on_overflow"
+    requires = (TrainingView, AmpRewrite, Unscaling, Replication)
     # the last rewrite of the updates: after the passes that build or group them
-    requires = ("amp", "replicate", "unscale", "zero", "gradient_comm", "apply_groups")
+    after = ("replicate", "zero", "gradient_comm", "apply_groups")
     off_note = "no dynamic loss scale (amp.level off, or a fixed amp.loss_scale)"
 
-    def enabled(self, config) -> bool:
-        """amp.level is set and amp.loss_scale is "dynamic"."""
-        return loss_scale_setting(config) == "dynamic"
-
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        amp, counts = ctx.amp, ctx.unscale.nonfinite
+        amp, counts = ctx.get(AmpRewrite), ctx.get(Unscaling).nonfinite
+        view = ctx.get(TrainingView)
         first_new = len(graph.get_operations())
         devices = [c[0].device for c in counts]
         with tf.name_scope(SCOPE):
@@ -71,9 +70,9 @@ class SkipOnOverflowPass(GraphPass):
             for k, device in enumerate(devices):
                 with tf.device(device):
                     finite.append(tf.equal(agreed[k], 0.0))
-        skipped = self._guard_updates(ctx, finite, amp)
+        skipped = self._guard_updates(view, ctx.get(Replication), finite, amp)
         adapt = self._adapt(amp, finite[0], agreed[1:], ctx.cluster.host_device)
-        for train_op in ctx.view.train_ops:
+        for train_op in view.train_ops:
             graph_mutation.add_control_inputs(train_op, [adapt])
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
@@ -81,15 +80,14 @@ class SkipOnOverflowPass(GraphPass):
             f"{ctx.communicator.num_workers} workers; {skipped} updates skipped on overflow"])
 
     @staticmethod
-    def _guard_updates(ctx, finite, amp) -> int:
+    def _guard_updates(view, replication, finite, amp) -> int:
         """Run each update op of the step under tf.cond(finite of its replica)."""
-        global_step = tf.compat.v1.train.get_global_step(ctx.view.graph)
-        replication = ctx.replication
+        global_step = tf.compat.v1.train.get_global_step(view.graph)
         counters = set()
         if global_step is not None:
             counters = {m.outputs[0] for m in replication.mirrors.get(global_step.op, [global_step.op])}
         state = {amp.scale_var.handle, amp.good_steps_var.handle}
-        updates = [op for op in ancestors(ctx.view.train_ops) if _is_update(op)
+        updates = [op for op in ancestors(view.train_ops) if _is_update(op)
                    and op.inputs[0] not in counters and op.inputs[0] not in state]
         for update in sorted(updates, key=lambda op: op._id):
             attr = update.node_def.attr.get(REPLICA_ATTR)

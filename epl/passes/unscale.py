@@ -14,7 +14,8 @@ unscaled gradients: the skip_on_overflow pass (epl/passes/skip_on_overflow.py)
 sums those counts over every replica of every worker at the end of the step and
 skips the updates of a step that overflowed.
 
-Result (ctx.unscale, an `Unscaling`): the unscaled gradients and the counts.
+Results: the unscaled gradients (a `ReplicaGradients`, what the passes after it
+reduce) and an `Unscaling` (the gradients and the counts).
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import dataclasses
 
 import tensorflow as tf
 
-from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes import gradient_flow
+from epl.passes.amp import AmpRewrite
 from epl.passes.gradient_flow import ReplicaGradients
+from epl.passes.manager import GraphPass, PassContext, PassResult
 
 SCOPE = "EPL_LOSS_SCALE"
 
@@ -47,16 +49,14 @@ class UnscalePass(GraphPass):
     """Multiplies every replica's gradients by 1/loss scale, before any reduction."""
 
     name = "unscale"
-    requires = ("amp", "replicate", "accumulate")   # after the last per-replica stage
+    requires = (AmpRewrite, ReplicaGradients)
+    provides = (ReplicaGradients, Unscaling)
+    after = ("replicate", "accumulate")   # after the last per-replica stage
     off_note = "no loss scaling (amp.level is off)"
 
-    def enabled(self, config) -> bool:
-        """Loss scaling belongs to AMP: amp.level is set (every AMP step is scaled)."""
-        return bool(config.get("amp.level"))
-
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        amp = ctx.amp
-        current = gradient_flow.replica_gradients(ctx)
+        amp = ctx.get(AmpRewrite)
+        current = ctx.get(ReplicaGradients)
         first_new = len(graph.get_operations())
         replicas = max(len(current.entries[0][1]) if current.entries else 0, 1)
         dynamic = amp.scale_var is not None
@@ -78,7 +78,9 @@ class UnscalePass(GraphPass):
                     original) for var, grads, original in current.entries]
         # a split variable's one gradient (computed with every replica's loss): replica 0's
         split = [(var, unscaled(grad, 0)) for var, grad in current.split]
-        ctx.unscale = Unscaling(ReplicaGradients(entries, split), nonfinite if dynamic else [])
+        unscaled = ReplicaGradients(entries, split)
+        ctx.provide(unscaled)
+        ctx.provide(Unscaling(unscaled, nonfinite if dynamic else []))
         added = [op.name for op in graph.get_operations()[first_new:]]
         check = (f"; non-finite values counted per replica ({replicas})" if dynamic
                  else " (a fixed scale: no overflow check)")

@@ -16,9 +16,11 @@ from tensorflow.python.client import pywrap_tf_session as c_api
 
 from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase
-from epl.ir.graph_view import ancestors
-from epl.ir.taskgraph import graph_state
+from epl.ir.clone import created_complete
+from epl.ir.graph_view import TrainingView, ancestors
+from epl.passes.gradient_comm import ReducedGradients
 from epl.passes.manager import GraphPass, Instrument, PassContext, PassResult
+from epl.passes.replication.result import Replication
 
 MAX_LISTED = 10
 
@@ -39,10 +41,9 @@ def _fail(what: str, ops, fix: str) -> None:
 def check_tagged_and_placed(graph: tf.Graph) -> None:
     """Every op has a TaskGraph and a device (both read from one NodeDef read per op, except
     for ops NodeBatch created with both, which keep them)."""
-    complete = graph_state(graph).created_complete  # tagged and placed when created
     bad = []
     for op in graph.get_operations():
-        if op in complete:
+        if created_complete(op):   # tagged and placed when created
             continue
         node = op.node_def
         if TASKGRAPH_ATTR not in node.attr or not node.device:
@@ -151,10 +152,9 @@ def _unsorted(ops: list, preds: dict) -> list:
     return [op for op in ops if indegree[op] > 0]
 
 
-def check_one_reduction_per_gradient(ctx: PassContext) -> None:
-    """Each trainable gradient is reduced exactly once."""
-    replication = ctx.replication
-    reduced = ctx.reduced
+def check_one_reduction_per_gradient(replication, reduced: dict | None) -> None:
+    """Each trainable gradient of `replication` (the replicate pass's result) is
+    reduced exactly once (`reduced`: the gradient_comm pass's counts, None before it)."""
     if replication is None or reduced is None:
         return
     missing = [var for var, _, _ in replication.gradients if var.name not in reduced]
@@ -162,18 +162,18 @@ def check_one_reduction_per_gradient(ctx: PassContext) -> None:
         _fail("gradients without a reduction", missing, "This is an EPL bug; please report it.")
 
 
-def check_no_template_work(ctx: PassContext, preds: dict | None = None) -> None:
+def check_no_template_work(view, replication, preds: dict | None = None) -> None:
     """The train ops run no template op (no forward/backward work done twice).
 
+    view: the analysis; replication: the replicate pass's result (None before it);
     preds: `predecessors(graph)` where the caller has it.
     """
-    replication = ctx.replication
     if replication is None:
         return
     template = set(replication.replica_maps[0]) | {
-        op for op in ctx.view.replica_ops if ctx.view.phase_of[op] == Phase.BACKWARD}
-    needed = (_predecessors_closure(ctx.view.train_ops, preds) if preds is not None
-              else ancestors(ctx.view.train_ops))
+        op for op in view.replica_ops if view.phase_of[op] == Phase.BACKWARD}
+    needed = (_predecessors_closure(view.train_ops, preds) if preds is not None
+              else ancestors(view.train_ops))
     bad = sorted(template & needed, key=lambda op: op._id)
     if bad:
         _fail("the train op still needs original (template) ops", bad,
@@ -193,12 +193,12 @@ class VerifyPass(GraphPass):
     """Checks all invariants on the final graph."""
 
     name = "verify"
-    requires = ("replicate", "gradient_comm")  # checks their results
+    requires = (TrainingView, Replication, ReducedGradients)  # checks their results
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         preds = predecessors(graph)
         check_tagged_and_placed(graph)
         check_acyclic(graph, preds)
-        check_one_reduction_per_gradient(ctx)
-        check_no_template_work(ctx, preds)
-        return PassResult(notes=["invariants hold"])
+        check_one_reduction_per_gradient(ctx.get(Replication), ctx.get(ReducedGradients).counts)
+        check_no_template_work(ctx.get(TrainingView), ctx.get(Replication), preds)
+        return PassResult(notes=["invariants hold"], modified=False)

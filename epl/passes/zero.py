@@ -56,19 +56,21 @@ update op takes as a handle besides the one it updates.
 """
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 
 import numpy as np
 import tensorflow as tf
 
-from epl.errors import ParallelizeError
+from epl.errors import ParallelizeError, PassError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.clone import replace_control_inputs
-from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors
+from epl.ir.graph_view import VARIABLE_OP_TYPES, TrainingView, ancestors
+from epl.passes.gradient_flow import ReplicaGradients
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.passes import gradient_flow
+from epl.passes.replication.result import Replication
+from epl.planner.plan import Plan
 
 SCOPE = "EPL_ZERO"
 
@@ -145,12 +147,12 @@ def optimizer_state_bytes(graph: tf.Graph, train_ops) -> dict[str, int]:
     return totals
 
 
-def _check(view, config) -> list:
+def _check(view, level: str) -> list:
     """Per trainable gradient (gradient, variable op, its update op, slot variable ops).
 
+    level: zero.level as set ('v0' runs as 'v1', epl/config.py), for the messages.
     Raises ParallelizeError naming what ZeRO cannot shard, why, and the fix.
     """
-    level = config.get("zero.level")   # 'v0' runs as 'v1' (epl/config.py)
     entries = []
     split_vars = set(getattr(view, "split_variables", []))
     for grad, var in view.gradients:
@@ -199,36 +201,38 @@ class ZeroPass(GraphPass):
     """Shards optimizer slots and updates over the data-parallel replicas (zero.level v1)."""
 
     name = "zero"
-    requires = ("replicate", "accumulate", "unscale")   # reduces their gradients
+    requires = (TrainingView, Plan, Replication, ReplicaGradients)   # reduces the gradients
+    provides = (ZeroSharding,)
+    after = ("accumulate", "unscale")   # as they left them
 
     off_note = "zero.level is off"
-
-    def enabled(self, config) -> bool:
-        """zero.level is set."""
-        return bool(config.get("zero.level"))
 
     def validate(self, graph: tf.Graph, ctx: PassContext):
         """The variables to shard, from the template (run() reads them: after the
         replicate pass the gradients no longer feed the updates directly)."""
-        return _check(ctx.view, ctx.config)
+        return _check(ctx.get(TrainingView), self.options.level)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        replication = ctx.replication
+        replication = ctx.get(Replication)
         comm = ctx.communicator
-        replicas, workers = ctx.plan.num_replicas, comm.num_workers
+        replicas, workers = ctx.get(Plan).num_replicas, comm.num_workers
         total = replicas * workers
         if total == 1:
-            ctx.zero = ZeroSharding({}, {}, {}, 1)
+            ctx.provide(ZeroSharding({}, {}, {}, 1))
             logging.getLogger(__name__).warning(
                 "zero.level %r: one data-parallel replica in all, nothing to shard.",
-                ctx.config.get("zero.level"))
-            return PassResult(notes=["one data-parallel replica: nothing to shard"])
+                self.options.level)
+            return PassResult(notes=["one data-parallel replica: nothing to shard"],
+                              modified=False)
         rank = comm.worker_rank
-        entries = ctx.validated[self.name]
-        split_vars = set(ctx.view.split_variables)   # already sharded by epl.split: left alone
+        entries = ctx.validated.get(self.name)
+        if entries is None:   # the caller did not validate (a pass run alone)
+            raise PassError("the zero pass reads what its validate() found on the graph as the "
+                            "user built it: validate the pipeline before running it")
+        split_vars = set(ctx.get(TrainingView).split_variables)   # sharded by epl.split: left alone
         entries = [entry for entry in entries if entry[1] not in split_vars]
-        grads_of = {var: grads for var, grads, _ in gradient_flow.replica_gradients(ctx).entries}
-        method = ctx.config.get("communication.gradients_reduce_method")
+        grads_of = {var: grads for var, grads, _ in ctx.get(ReplicaGradients).entries}
+        method = self.options.reduce_method
         if replication.presummed:  # split models: gradients already weighted by batch share
             method = "sum"
         before = set(graph.get_operations())
@@ -252,7 +256,7 @@ class ZeroPass(GraphPass):
             result.sync_ops[slot] = sync
             result.gather_ops[slot] = gather
             _to_host(slot, ctx.cluster.host_device)  # the checkpoint copy
-        ctx.zero = result
+        ctx.provide(result)
         added = [op.name for op in graph.get_operations() if op not in before]
         return PassResult(added=added, notes=[
             f"{len(entries)} variables: optimizer state and update sharded over {total} replicas "

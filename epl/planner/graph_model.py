@@ -67,16 +67,15 @@ def _tagged_phases(graph: Any) -> bool:
                for op in graph.get_operations())
 
 
-def _analysed_view(graph: Any):
-    """The TrainingView of a graph EPL recorded a training step on, or None."""
-    from epl.ir.graph_view import analyze
-    from epl.ir.taskgraph import graph_state
+def _analysed_view(graph: Any, record: Any):
+    """The TrainingView of a graph EPL recorded a training step on (`record`, its
+    epl.ir.record.GraphRecord), or None."""
     from epl.errors import EPLError
-    state = graph_state(graph, create=False)
-    if state is None or not state.train_steps:
+    from epl.ir.graph_view import analyze
+    if record is None or not record.train_steps:
         return None
     try:
-        return analyze(graph, state)
+        return analyze(graph, record)
     except EPLError:
         return None
 
@@ -116,7 +115,7 @@ def _field(value: Any, attr: str) -> float:
 
 def model_from_graph(graph: Any, view: Any = None,
                      trainable_vars: Any = None, amp_dtype: Any = None,
-                     name: str = "graph") -> ModelSpec:
+                     name: str = "graph", record: Any = None) -> ModelSpec:
     """Describe a training graph as a ModelSpec: one layer per TaskGraph.
 
     Args:
@@ -124,13 +123,15 @@ def model_from_graph(graph: Any, view: Any = None,
             (EPL's `_epl_taskgraph` / `_epl_phase` attributes where
             present).
         view: its epl.ir.graph_view.TrainingView (phases, TaskGraphs and
-            batch size from the analysis); found from the graph's EPL state
-            when None.
+            batch size from the analysis); analysed from `record` when None.
         trainable_vars: the trained variables; default the graph's
             collection, else the variables its apply ops update.
         amp_dtype: float16/bfloat16 when training under AMP (halves float32
             activations; peak FLOP/s of that dtype).
         name: the model's label.
+        record: the graph's epl.ir.record.GraphRecord (what EPL recorded while
+            the graph was built), which the view is analysed from when `view` is
+            None; the view's split records size the split dimension.
 
     Returns:
         ModelSpec: per TaskGraph (in order), forward+backward FLOPs, bytes
@@ -142,7 +143,7 @@ def model_from_graph(graph: Any, view: Any = None,
     """
     graph = cm.as_graph(graph)
     if view is None:
-        view = _analysed_view(graph)
+        view = _analysed_view(graph, record)
     group_fn, phase_fn, order = _group_functions(graph, view)
     batch = view.global_batch_size if view is not None else \
         _static_batch(graph)
@@ -162,7 +163,7 @@ def model_from_graph(graph: Any, view: Any = None,
     layers = tuple(_graph_split_layer(key, costs, memory) if key in split_names
                    else _graph_layer(key, stage, costs, memory)
                    for stage, key in enumerate(order))
-    split_units = _split_dimension(graph, split_names)
+    split_units = _split_dimension(split_names, getattr(view, "split_records", ()))
     exact = all(c.exact for c in costs.values[1].values())
     unknown = _unknown_op_types(costs.values[1].values())
     notes = [] if exact else ["some shapes or op types were not known to "
@@ -220,14 +221,12 @@ def _op_counts(key: Hashable, costs: _Measure) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(counts.items()))
 
 
-def _split_dimension(graph: Any, split_names: set) -> int:
-    """Units of the split dimension (the smallest over the split TaskGraphs):
-    the full extent of the axis the split pass sharded (classes, experts)."""
+def _split_dimension(split_names: set, split_records) -> int:
+    """Units of the split dimension (the smallest over the split TaskGraphs): the full
+    extent of the axis the split pass sharded (classes, experts), from its records."""
     if not split_names:
         return 0
-    from epl.ir.taskgraph import graph_state
-    state = graph_state(graph, create=False)
-    extents = [sum(v.sizes) for record in (state.splits if state else [])
+    extents = [sum(v.sizes) for record in split_records
                if record.taskgraph in split_names for v in record.variables.values()]
     return min(extents) if extents else 0
 

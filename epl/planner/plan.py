@@ -18,14 +18,15 @@ import math
 from typing import Any
 
 from epl.runtime.cluster import Cluster
-from epl.errors import ClusterError
+from epl.errors import ClusterError, ParallelizeError
 from epl.ir.taskgraph import TaskGraph
 from epl.planner import local
 from epl.planner.balance import stage_device_order
 
 # stage_device_order is balance's (one order for the search and the runtime), also
 # importable from here (epl/passes/pipeline/auto_stages.py imports it from this module).
-__all__ = ["Plan", "make_local_plan", "make_plan", "split_layout", "stage_device_order"]
+__all__ = ["Plan", "SplitPlan", "make_local_plan", "make_plan", "shard_sizes", "split_layout",
+           "stage_device_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,3 +219,69 @@ def make_local_plan(taskgraphs: list[TaskGraph], view: Any, cluster: Cluster,
         list(layout.replica_weights) if uneven else None
     return make_plan(list(taskgraphs), cluster, weights, colocate,
                      stage_devices=[list(p) for p in layout.stage_devices])
+
+
+def shard_sizes(dim: int, count: int, weights=None, what: str = "dimension",
+                must_divide: bool = False) -> list[int]:
+    """Split `dim` into `count` positive integer extents.
+
+    weights: relative shares (capability-weighted plans); None = even. With
+    even shares (or `must_divide`) `dim` must be divisible by `count`; the
+    error says which dimension and how to fix it. Uneven shares are rounded
+    on cumulative boundaries (round(dim * cumulative share)), each at least 1.
+    """
+    if dim < count:
+        raise ParallelizeError(
+            f"cannot split a {what} of size {dim} over {count} devices: every device needs at "
+            f"least one row. Use epl.split(device_count<={dim}).")
+    even = weights is None or all(abs(w - weights[0]) < 1e-12 for w in weights)
+    if even or must_divide:
+        if dim % count:
+            raise ParallelizeError(
+                f"the {what} of size {dim} is not divisible by the split degree {count}, and "
+                "its shards must be even. Use a size divisible by "
+                f"{count}, or epl.split(device_count=d) with d dividing {dim}.")
+        if even:
+            return [dim // count] * count
+    total = float(sum(weights))
+    bounds, cumulative = [0], 0.0
+    for j, weight in enumerate(weights):
+        cumulative += weight / total
+        bound = dim if j == count - 1 else int(round(dim * cumulative))
+        bound = max(bound, bounds[-1] + 1)
+        bound = min(bound, dim - (count - 1 - j))
+        bounds.append(bound)
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """Where one split TaskGraph goes: this worker's devices and each slot's share.
+
+    A split group may span workers: it then has `num_slots` slots in all,
+    this worker holding slots first_slot .. first_slot + len(devices) - 1.
+    """
+
+    devices: tuple
+    weights: tuple | None = None   # None: even shards (else one weight per slot)
+    first_slot: int = 0
+    num_slots: int | None = None   # None: len(devices) (the group is this worker's)
+
+    @property
+    def spans_workers(self) -> bool:
+        """True when other workers hold some of the group's slots."""
+        return (self.num_slots or len(self.devices)) > len(self.devices)
+
+    def _all_sizes(self, dim: int, what: str, must_divide: bool) -> list[int]:
+        return shard_sizes(dim, self.num_slots or len(self.devices), self.weights, what,
+                           must_divide)
+
+    def sizes(self, dim: int, what: str, must_divide: bool = False) -> list[int]:
+        """Extents of `dim` on this worker's slots (see `shard_sizes`)."""
+        sizes = self._all_sizes(dim, what, must_divide)
+        return sizes[self.first_slot:self.first_slot + len(self.devices)]
+
+    def offsets(self, dim: int) -> list[int]:
+        """Where this worker's slots start along a dimension of `dim` entries."""
+        sizes = self._all_sizes(dim, "dimension", False)
+        return [sum(sizes[:self.first_slot + j]) for j in range(len(self.devices))]

@@ -33,7 +33,7 @@ a model with an expert all-to-all, batches between it and the even split or
 the batch that follows the experts (`_blended_batches`); it keeps the one
 with the shortest predicted step.
 Balancing compute alone is not enough there: the fast hosts' larger batches
-send more tokens across the network.  This departs from DESIGN.md's rule
+send more tokens across the network.  This departs from the design's balancing rule
 (the Whale paper's: load proportional to capability) for such models only;
 the candidates include the capability-proportional assignment, so the
 search never predicts a slower step than the rule.

@@ -250,7 +250,8 @@ def exchange_bytes(payload: bytes, timeout_s: float) -> list[bytes]:
     return _exchange(payload, timeout_s)
 
 
-def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0,
+                            config=None) -> list[dict[str, Any]]:
     """Check that every worker runs the same EPL version and config, and that every
     worker's `graph` has the same cross-worker collectives.
 
@@ -262,9 +263,10 @@ def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0) -> list[d
     the EPL versions, then the config keys that differ (epl.runtime.config_check),
     then the first collective), or when the exchange does not finish within
     `timeout_s` seconds. The exchange also gives every worker the others'
-    status servers (epl.runtime.worker_status).
+    status servers (epl.runtime.worker_status). config: the graph's Config
+    (default: the active one).
     """
-    from epl.env import config_for
+    from epl.env import get_config
 
     fingerprint = collective_fingerprint(graph)
     hvd = horovod()
@@ -272,7 +274,7 @@ def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0) -> list[d
         return fingerprint
     worker_status.STATUS.start(hvd.rank(), hvd.size())
     mine = {"format": config_check.RECORD_FORMAT, "epl_version": config_check.epl_version(),
-            "config": config_check.compared_config(config_for(graph)),
+            "config": config_check.compared_config(config or get_config()),
             "status": worker_status.STATUS.identity(), "collectives": fingerprint}
     payload = json.dumps(mine, sort_keys=True, separators=(",", ":")).encode("utf-8")
     blobs = _exchange(payload, timeout_s)

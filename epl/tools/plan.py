@@ -517,9 +517,10 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
         name = os.path.splitext(os.path.basename(args.graph))[0]
         return model_from_graph(graph_def, name=name), None, None
     graph, config = capture_script_graph(args.script, args.script_args)
+    from epl.hooks.record import record_of
     from epl.planner.planner import model_from_graph
     name = os.path.splitext(os.path.basename(args.script))[0]
-    return model_from_graph(graph, name=name), config, None
+    return model_from_graph(graph, name=name, record=record_of(graph, create=False)), config, None
 
 
 def calibrate(output: str | None) -> str:

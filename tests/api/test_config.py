@@ -48,6 +48,7 @@ EXPECTED_DEFAULTS = {
     "auto.auto_parallel": False,
     "debug.dump_dir": "",
     "debug.check_invariants": False,
+    "debug.disabled_passes": [],
     "debug.log_level": "",
     "debug.trace_dir": "",
     "debug.trace_steps": [2],

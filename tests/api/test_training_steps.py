@@ -17,7 +17,7 @@ import epl
 from epl import env
 from epl.ir.annotations import Phase
 from epl.ir.graph_view import variable_written
-from epl.parallel import parallel_graph
+from epl.hooks.session import parallel_graph
 
 import bert_like
 

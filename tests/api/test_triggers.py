@@ -46,7 +46,7 @@ def _executed(run_metadata) -> set:
 
 def _check_merged_loss_ran(graph, loss, executed) -> None:
     """The run computed the merged loss from the replicas, not the template loss."""
-    from epl.parallel import parallel_graph
+    from epl.hooks.session import parallel_graph
     result = parallel_graph(graph)
     view = result.view
     template = {op.name for op in view.replica_ops  # the original forward and backward ops
@@ -56,7 +56,7 @@ def _check_merged_loss_ran(graph, loss, executed) -> None:
 
 
 def _is_parallel(graph, replicas):
-    from epl.parallel import parallel_graph
+    from epl.hooks.session import parallel_graph
     result = parallel_graph(graph)
     return result is not None and result.plan.num_replicas == replicas
 

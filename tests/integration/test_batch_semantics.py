@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import epl
 from epl import env
-from epl.parallel import parallel_graph
+from epl.hooks.session import parallel_graph
 
 import bert_like
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import epl
 from epl import env
-from epl.parallel import parallel_graph
+from epl.hooks.session import parallel_graph
 
 BATCH, TIME, WIDTH, STEPS = 8, 5, 6, 3
 

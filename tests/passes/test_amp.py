@@ -209,7 +209,7 @@ def test_amp_dynamic_loss_scale_refuses_reference_variables(models, epl_env):
 @pytest.mark.multiworker
 def test_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
     """2 workers x 2 devices under horovodrun: only worker 1's batch overflows."""
-    from test_multiworker import _errors, _horovodrun
+    from multiworker import errors as _errors, horovodrun as _horovodrun
     result = _horovodrun("amp_worker.py", str(tmp_path))
     assert result.returncode == 0, _errors(result.stdout + result.stderr)
     for rank in (0, 1):

@@ -26,8 +26,8 @@ import epl
 from epl import env
 from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR
-from epl.ir.taskgraph import graph_state
-from epl.parallel import parallel_graph
+from epl.hooks.record import record_of
+from epl.hooks.session import parallel_graph
 from epl.passes.pipeline import auto_stages
 
 import bert_like
@@ -60,7 +60,7 @@ def _plan(stages: int, builder=build_pretraining_4_layers) -> tuple:
     epl.init(epl.Config(_auto_config(stages)))
     with tf.Graph().as_default() as graph:
         builder(MICRO, EXAMPLES)
-        partition = auto_stages.plan_stages(graph, graph_state(graph), stages)
+        partition = auto_stages.plan_stages(graph, record_of(graph), stages)
     return partition, graph
 
 

@@ -20,9 +20,15 @@ import epl
 from epl import parallel
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.ir.autodiff import internal_autodiff
-from epl.ir.taskgraph import graph_state
+from epl.hooks.record import record_of
 from epl.errors import PassError
+from epl.ir.graph_view import TrainingView
 from epl.passes.manager import PassManager
+from epl.passes.pipeline.accumulate import Accumulation
+from epl.passes.recompute.recompute import Recompute
+from epl.passes.replication.result import Replication
+from epl.passes.unscale import Unscaling
+from epl.passes.zero import ZeroSharding
 
 BATCH, FEATURES, HIDDEN, CLASSES = 8, 6, 16, 4
 
@@ -109,21 +115,21 @@ def run_alone(epl_env, name: str):
     A pass that runs before the analysis (auto_stages) is run by `pass_context`,
     alone: what changed is what pass_context changed."""
     config, options = CASES[name]
-    epl_env(config)
+    config = epl_env(config)
     graph = tf.Graph()
     with graph.as_default():
         _build(**options)
-        pipeline = parallel.training_pipeline()
+        pipeline = parallel.training_pipeline(config)
         first, _ = parallel.before_analysis(pipeline)
         alone = [p for p in first if p.name == name]
         before = {op: op.node_def.SerializeToString() for op in graph.get_operations()}
-        ctx, instruments, passes = parallel.pass_context(graph, graph_state(graph),
+        ctx, instruments, passes = parallel.pass_context(graph, record_of(graph),
                                                          alone or pipeline)
         if not alone:
             index = [p.name for p in passes].index(name)
             with internal_autodiff():
                 # every pass validates the graph as the user built it, as in parallelize()
-                PassManager(passes).validate(graph, ctx)
+                PassManager(passes, available=ctx.available).validate(graph, ctx)
                 parallel.run_passes(graph, ctx, passes[:index], instruments, validate=False)
                 before = {op: op.node_def.SerializeToString() for op in graph.get_operations()}
                 parallel.run_passes(graph, ctx, [passes[index]], instruments, validate=False)
@@ -138,7 +144,7 @@ def _counts(ops) -> dict[str, int]:
 
 def test_every_pass_has_a_case():
     """Each training pass has its golden case (a new pass needs one)."""
-    assert [p.name for p in parallel.training_pipeline()] == list(CASES)
+    assert [p.name for p in parallel.training_pipeline(epl.Config())] == list(CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -155,18 +161,18 @@ def test_recompute_chooses_forward_checkpoints(epl_env):
     """The recompute pass adds no op: it chooses, on the template, the forward tensors
     each step's backward keeps, which the replicate pass builds the backward with."""
     graph, _, _, ctx = run_alone(epl_env, "recompute")
-    kept = [t for tensors in ctx.recompute.checkpoints.values() for t in tensors]
-    assert kept and all(ctx.view.phase_of[t.op].value == "forward" for t in kept)
+    kept = [t for tensors in ctx.get(Recompute).checkpoints.values() for t in tensors]
+    assert kept and all(ctx.get(TrainingView).phase_of[t.op].value == "forward" for t in kept)
 
 
 def run_pipeline(epl_env, config: dict):
     """The context after the whole training pipeline ran on the MLP under `config`."""
-    epl_env(config)
+    config = epl_env(config)
     graph = tf.Graph()
     with graph.as_default():
         _build()
-        ctx, instruments, passes = parallel.pass_context(graph, graph_state(graph),
-                                                         parallel.training_pipeline())
+        ctx, instruments, passes = parallel.pass_context(graph, record_of(graph),
+                                                         parallel.training_pipeline(config))
         with internal_autodiff():
             parallel.run_passes(graph, ctx, passes, instruments)
     return ctx
@@ -177,9 +183,9 @@ def test_gradients_flow_one_way(epl_env):
     sum of its micro-batch gradients, and the reduction reads that, never the raw one."""
     ctx = run_pipeline(epl_env, {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2,
                                  "amp.level": "O1", "amp.loss_scale": "dynamic"})
-    raw = ctx.replication.gradients
-    summed = ctx.accumulation.gradients.entries
-    unscaled = ctx.unscale.gradients.entries
+    raw = ctx.get(Replication).gradients
+    summed = ctx.get(Accumulation).gradients.entries
+    unscaled = ctx.get(Unscaling).gradients.entries
     for (_, micro0, _), (_, sums, _), (_, final, _) in zip(raw, summed, unscaled):
         for first, total, result in zip(micro0, sums, final):
             # the raw gradient feeds only the accumulation, the sum only the unscaling
@@ -194,7 +200,7 @@ def test_a_pass_that_is_off_changes_nothing(epl_env):
     ctx = run_pipeline(epl_env, {"cluster.virtual_devices": 2})
     assert ctx.passes_off == ["auto_stages", "amp", "recompute", "accumulate", "unscale", "zero",
                               "apply_groups", "skip_on_overflow", "offload"]
-    assert "zero" not in ctx.passes_run and ctx.zero is None
+    assert "zero" not in ctx.passes_run and ctx.find(ZeroSharding) is None
 
 
 def test_split_pass_alone_shards_the_layer(epl_env):
@@ -211,12 +217,12 @@ def test_split_pass_alone_shards_the_layer(epl_env):
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=labels, logits=logits))
         before = set(graph.get_operations())
-        parallel.run_gradient_time_pipeline(graph, loss)
+        parallel.run_gradient_time_pipeline(graph, record_of(graph), loss)
     added = [op for op in graph.get_operations() if op not in before]
     assert _counts(added) == SPLIT_GOLDEN
     assert {op.device for op in added if op.type == "MatMul"} == {"/device:CPU:0",
                                                                  "/device:CPU:1"}
-    assert [record.taskgraph for record in graph_state(graph).splits]
+    assert [record.taskgraph for record in record_of(graph).splits]
 
 
 # Vocab-parallel logits: each device's matmul, the distributed softmax cross entropy
@@ -240,7 +246,7 @@ def _split_experts(epl_env, chunks: int) -> dict[str, int]:
             out = tf.matmul(tokens, experts)
         loss = tf.reduce_mean(out)   # outside the scope: the combine concat
         before = set(graph.get_operations())
-        parallel.run_gradient_time_pipeline(graph, loss)
+        parallel.run_gradient_time_pipeline(graph, record_of(graph), loss)
     return _counts(op for op in graph.get_operations() if op not in before)
 
 
@@ -262,7 +268,7 @@ SPLIT_EXPERTS_GOLDEN: dict[str, int] = {
 def test_a_before_analysis_pass_after_another_is_refused():
     """A pass that runs on the graph as the user built it (auto_stages) must come
     before every pass that needs the analysis; the driver says which and how to fix."""
-    pipeline = parallel.training_pipeline()
+    pipeline = parallel.training_pipeline(epl.Config())
     moved = pipeline[1:3] + pipeline[:1] + pipeline[3:]
     with pytest.raises(PassError) as err:
         parallel.before_analysis(moved)

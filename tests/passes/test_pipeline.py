@@ -23,9 +23,10 @@ from conftest import assert_same_training as assert_same  # same variables and l
 from epl import env
 from epl.errors import ClusterError, PassError
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
-from epl.ir.taskgraph import graph_state
-from epl.parallel import parallel_graph
+from epl.hooks.record import record_of
+from epl.hooks.session import parallel_graph
 from epl.passes.pipeline import auto_stages
+from epl.planner import worker_planner
 from paths import EXAMPLES  # noqa: E402
 
 SEQ, D_MODEL, D_FF, NUM_CLASSES, BATCH = 4, 8, 16, 4, 8
@@ -530,7 +531,7 @@ def test_auto_stages_cut_at_layer_boundaries_balanced(stages):
                          "pipeline.num_stages": stages}))
     with tf.Graph().as_default() as graph:
         build_encoder(layers=4)
-        partition = auto_stages.plan_stages(graph, graph_state(graph), stages)
+        partition = auto_stages.plan_stages(graph, record_of(graph), stages)
     assert partition.num_stages == stages
     assert all(len(tensors) == 1 for tensors in partition.crossing)  # one tensor per cut
     # Each cut is a layer output (the residual sum) that the next layer's einsums read,
@@ -572,7 +573,7 @@ def test_auto_stages_keep_user_stages():
                          "pipeline.num_stages": 4}))
     with tf.Graph().as_default() as graph:
         build_encoder(layers=2, stages=2)
-        assert not auto_stages.wants_auto_stages(graph_state(graph), env.get_config())
+        assert auto_stages.keeps_own_stages(record_of(graph).taskgraphs)
 
 
 # --------------------------------------------------------------------------
@@ -608,9 +609,9 @@ def test_auto_stages_give_the_faster_device_the_longer_stage():
                          "pipeline.num_stages": 2}))
     with tf.Graph().as_default() as graph:
         build_encoder(layers=4)
-        even = auto_stages.plan_stages(graph, graph_state(graph), 2)
-        speeds = auto_stages.stage_speeds(2, profiles_lib.virtual_cpu_profiles(2, FAST_SLOW))
-        sized = auto_stages.plan_stages(graph, graph_state(graph), 2, speeds=speeds)
+        even = auto_stages.plan_stages(graph, record_of(graph), 2)
+        speeds = worker_planner.stage_speeds(2, profiles_lib.virtual_cpu_profiles(2, FAST_SLOW))
+        sized = auto_stages.plan_stages(graph, record_of(graph), 2, speeds=speeds)
     assert speeds == pytest.approx([1.0, 1 / 3])
     assert max(even.costs) / min(even.costs) < 1.15
     # stage 0 (on the 3x faster device) takes about three times the work of stage 1

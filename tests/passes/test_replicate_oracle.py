@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epl.parallel import parallel_graph
+from epl.hooks.session import parallel_graph
 
 STEPS = 5
 

@@ -15,8 +15,9 @@ import tensorflow as tf
 import epl
 from epl.errors import PassError
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
-from epl.ir.graph_view import ancestors
+from epl.ir.graph_view import TrainingView, ancestors
 from epl.passes import verify
+from epl.passes.replication.result import Replication
 from epl.tools import dump as epl_dump
 
 VARIABLE_TYPES = ("VarHandleOp", "VariableV2")
@@ -205,7 +206,7 @@ def test_templates_not_needed_and_verify_ran(models, epl_env, monkeypatch):
     with graph.as_default():
         built.train_op._add_control_inputs([victim])
     with pytest.raises(PassError, match="the train op still needs original") as err:
-        verify.check_no_template_work(ctx)
+        verify.check_no_template_work(ctx.get(TrainingView), ctx.get(Replication))
     assert f"ops: {victim.name} (type {victim.type}" in str(err.value)
     assert "and " not in str(err.value).split("ops: ", 1)[1]  # exactly that op is named
 

@@ -20,7 +20,7 @@ import epl
 import epl.layers as layers
 from epl.checkpoint.sharded_variable import full_values, shards_of
 from epl import env
-from epl.ir.taskgraph import graph_state
+from epl.hooks.record import record_of
 from epl.passes.split.split import SplitFallbackWarning
 from paths import EXAMPLES  # noqa: E402
 
@@ -156,7 +156,7 @@ def moe_model(k, experts=8):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_oracle_column_row_dense_pair(optimizer):
     _, _, graph = assert_oracle(dense_pair(), optimizer=optimizer)
-    record = graph_state(graph).splits[0]
+    record = record_of(graph).splits[0]
     axes = {name: sharded.axis for name, sharded in record.variables.items()}
     assert axes == {"w1": 1, "b1": 0, "w2": 0}   # column, its bias, row; b2 stays whole
     assert record.fallbacks == []
@@ -185,14 +185,14 @@ def test_oracle_vocab_split_softmax_100k_classes(optimizer):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_oracle_vocab_split_embedding(optimizer):
     _, _, graph = assert_oracle(embedding_model(), optimizer=optimizer)
-    assert {n: v.axis for n, v in graph_state(graph).splits[0].variables.items()} == {"table": 0}
+    assert {n: v.axis for n, v in record_of(graph).splits[0].variables.items()} == {"table": 0}
 
 
 @pytest.mark.parametrize("devices", [2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_oracle_mixture_of_experts_8_experts(devices, optimizer):
     _, _, graph = assert_oracle(moe_model(devices), optimizer=optimizer)
-    record = graph_state(graph).splits[0]
+    record = record_of(graph).splits[0]
     assert {n.rsplit("/", 1)[-1]: v.sizes for n, v in record.variables.items()} == {
         name: tuple([8 // devices] * devices)
         for name in ("experts_in", "experts_in_bias", "experts_out", "experts_out_bias")}
@@ -200,7 +200,7 @@ def test_oracle_mixture_of_experts_8_experts(devices, optimizer):
     # of every replica's tokens (one slice per replica and device). With
     # cluster.colocate_split_and_replicate off, split(2) takes the last 2 of the 4
     # devices and the replicas the other 2; split(4) shares all 4 with 4 replicas.
-    plan = graph_state(graph).result.plan
+    plan = record_of(graph).result.plan
     assert plan.num_replicas == (2 if devices == 2 else 4)
     assert plan.split_devices[record.taskgraph] == tuple(
         f"/device:CPU:{i}" for i in range(4 - devices, 4))
@@ -214,7 +214,7 @@ def test_uneven_shards_follow_device_capability():
                 "CPU:2": {"peak_flops": {"float32": 3e11}}, "CPU:3": {"peak_flops": {"float32": 1e11}}}
     config = {"cluster.device_profiles": profiles}
     _, _, graph = assert_oracle(classifier(80), config, optimizer="adam")
-    sharded = graph_state(graph).splits[0].variables["classifier/kernel"]
+    sharded = record_of(graph).splits[0].variables["classifier/kernel"]
     assert sharded.sizes == (30, 10, 30, 10)
 
 
@@ -306,7 +306,7 @@ def test_op_without_rule_on_sharded_input_warns_and_still_trains():
                             "for its inputs split as they are (MatMul:0 split along axis 1); "
                             "EPL gathers MatMul:0 and runs the op unsplit on one device.")
                for m in messages), messages
-    assert any("(type Softmax)" in f for f in graph_state(graph).splits[0].fallbacks)
+    assert any("(type Softmax)" in f for f in record_of(graph).splits[0].fallbacks)
 
 
 def test_split_with_micro_batches_is_refused():
@@ -342,7 +342,7 @@ def test_oracle_m6_mini_over_4_devices():
     # arithmetic (the key bias under softmax) into full-size steps
     _, _, graph = assert_oracle(build, {"cluster.colocate_split_and_replicate": True},
                                 optimizer="sgd", steps=2, rtol=1e-4, atol=1e-5)
-    state = graph_state(graph)
+    state = record_of(graph)
     assert len(state.splits) == m6.LAYERS
     assert state.result.plan.num_replicas == 4
     for record in state.splits:
@@ -389,7 +389,7 @@ def test_gradient_checkpointing_with_split_and_replicas(kind):
                                 optimizer="adam")
     recomputed = [op for op in graph.get_operations() if "_epl_recompute" in op.node_def.attr]
     assert recomputed, "no forward op is recomputed"
-    assert graph_state(graph).result.gradient_check_max_diff < 1e-5
+    assert record_of(graph).result.gradient_check_max_diff < 1e-5
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -407,7 +407,7 @@ def test_oracle_vocab_parallel_lm_head_on_sequences(optimizer):
             loss = layers.sparse_softmax_cross_entropy(y, logits)
         return loss, {x: rng.randn(B, 5, 6), y: rng.randint(0, 64, (B, 5))}
     _, _, graph = assert_oracle(build, optimizer=optimizer)
-    record = graph_state(graph).splits[0]
+    record = record_of(graph).splits[0]
     assert record.fallbacks == []
     assert {n: v.axis for n, v in record.variables.items()} == {"lm_head/kernel": 1,
                                                                 "lm_head/bias": 0}
@@ -423,7 +423,7 @@ def test_split_with_memory_features(config):
     amp = dict(rtol=2e-2, atol=2e-3, extra_variables=("EPL_AMP/loss_scale", "EPL_AMP/good_steps")) \
         if "amp.level" in config else {}
     _, _, graph = assert_oracle(classifier(400), config, optimizer="adam", **amp)
-    assert graph_state(graph).splits[0].variables["classifier/kernel"].sizes == (100,) * 4
+    assert record_of(graph).splits[0].variables["classifier/kernel"].sizes == (100,) * 4
 
 
 def test_planner_sees_the_split_part():

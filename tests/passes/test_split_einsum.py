@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import epl
 from epl import env
-from epl.ir.taskgraph import graph_state
+from epl.hooks.record import record_of
 from epl.passes.split.split import SplitFallbackWarning, SplitUnshardedVariableWarning
 from split_oracle import assert_matches_single_device
 
@@ -219,7 +219,7 @@ def _layer_norm(h, name, **kwargs):
 
 
 def _expert_records(graph):
-    return [r for r in graph_state(graph).splits if r.variables]
+    return [r for r in record_of(graph).splits if r.variables]
 
 
 @pytest.mark.parametrize("mode", ["replica", "global"])
@@ -253,7 +253,7 @@ def test_einsum_attention_and_feed_forward_match_single_device(mode, caplog):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graph = assert_matches_single_device("transformer", einsum_transformer(), mode)
-    records = {r.taskgraph: r for r in graph_state(graph).splits}
+    records = {r.taskgraph: r for r in record_of(graph).splits}
     layout = {name: (v.axis, v.sizes) for r in records.values() for name, v in r.variables.items()}
     heads, ff = (1, 1, 1, 1), (8, 8, 8, 8)
     assert layout == {
@@ -323,7 +323,7 @@ def test_einsum_of_operands_split_along_different_labels_falls_back_with_a_warni
         "they are (einsum/Einsum:0 split along axis 2; einsum_1/Einsum:0 split along axis 2); "
         "EPL gathers einsum/Einsum:0, einsum_1/Einsum:0 and runs the op unsplit on one "
         "device. Op types with split rules: "), messages
-    (record,) = graph_state(graph).splits
+    (record,) = record_of(graph).splits
     assert record.fallbacks == ["outer/Einsum (type Einsum)"]
 
 

@@ -121,7 +121,7 @@ def test_checkpoint_holds_full_slots_and_restores(models, epl_env, tmp_path):
 @pytest.mark.parametrize("sizes", ["8,8", "12,4"])
 def test_zero_two_workers_match_single_device(tmp_path, sizes):
     """2 workers x 2 devices: Adam's state in 4 shards, Horovod reduce-scatter/all-gather."""
-    from test_multiworker import _errors, _horovodrun
+    from multiworker import errors as _errors, horovodrun as _horovodrun
     result = _horovodrun("zero_worker.py", "adam", sizes, str(tmp_path))
     assert result.returncode == 0, _errors(result.stdout + result.stderr)
     params = 6 * 8 + 8 + 8 * 3  # the worker's MLP

@@ -536,7 +536,7 @@ def test_remedies_keep_the_host_network():
 def _one_stage_graph(batch=12):
     """An EPL graph with one TaskGraph; returns (graph, view)."""
     from epl.ir.graph_view import analyze
-    from epl.ir.taskgraph import graph_state
+    from epl.hooks.record import record_of
     epl.init(epl.Config({"cluster.virtual_devices": 2}))
     graph = tf.Graph()
     with graph.as_default():
@@ -545,13 +545,13 @@ def _one_stage_graph(batch=12):
             w = tf.compat.v1.get_variable("w", [16, 4])
             loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
         tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-    return graph, analyze(graph, graph_state(graph))
+    return graph, analyze(graph, record_of(graph))
 
 
 def _two_stage_graph(batch=8):
     """An EPL graph with two TaskGraphs; returns (graph, view)."""
     from epl.ir.graph_view import analyze
-    from epl.ir.taskgraph import graph_state
+    from epl.hooks.record import record_of
     epl.init(epl.Config({"cluster.virtual_devices": 2}))
     graph = tf.Graph()
     with graph.as_default():
@@ -565,7 +565,7 @@ def _two_stage_graph(batch=8):
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=y, logits=tf.matmul(hidden, w2)))
         tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
-    return graph, analyze(graph, graph_state(graph))
+    return graph, analyze(graph, record_of(graph))
 
 
 def test_model_from_graph_has_one_layer_per_taskgraph():

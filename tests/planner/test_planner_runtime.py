@@ -8,7 +8,7 @@ import tensorflow as tf
 import epl
 from epl.runtime.cluster import Cluster
 from epl.ir.graph_view import analyze
-from epl.ir.taskgraph import graph_state
+from epl.hooks.record import record_of
 from epl.planner import local
 from epl.planner.plan import make_local_plan, make_plan
 
@@ -37,7 +37,7 @@ def _pipeline_view(batch=64, width=256):
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=y, logits=tf.matmul(hidden, w2)))
         tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
-    return analyze(graph, graph_state(graph))
+    return analyze(graph, record_of(graph))
 
 
 def _config(**more):
@@ -99,7 +99,7 @@ def test_data_parallel_shares_come_from_the_cluster_plan():
             w = tf.compat.v1.get_variable("w", [16, 4])
             loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
         tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-    view = analyze(graph, graph_state(graph))
+    view = analyze(graph, record_of(graph))
     cluster = Cluster("CPU", 2)
     config = epl.Config({"cluster.virtual_devices": 2, "cluster.device_profiles":
                          {"CPU:0": "V100-32GB", "CPU:1": "T4"}})

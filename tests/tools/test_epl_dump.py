@@ -504,7 +504,7 @@ def test_each_worker_writes_its_own_directory(tmp_path, capsys, graphs):
 def test_dump_instrument_writes_under_the_worker_rank(tmp_path):
     from epl.runtime.cluster import Cluster
     from epl.passes.manager import DumpInstrument, PassContext
-    ctx = PassContext(None, None, Cluster("CPU", 2, worker_rank=1, num_workers=2), None, None)
+    ctx = PassContext(Cluster("CPU", 2, worker_rank=1, num_workers=2), None)
     with tf.Graph().as_default() as graph:
         tf.constant(1.0, name="c")
     DumpInstrument(str(tmp_path)).before(None, graph, ctx)

@@ -8,9 +8,10 @@ readers of micro-batch 0's gradient (the updates, or the ops the script put
 between compute_gradients and apply_gradients, such as clipping) read the sum
 instead (epl/passes/gradient_flow.py: gradients flow one way).
 
-Result (ctx.accumulation, an `Accumulation`): the accumulated gradients, and
-per (replica, micro-batch) the accumulation ops that are that micro-batch's
-work (the schedule pass runs them in its backward step).
+Results: the accumulated gradients (a `ReplicaGradients`, what the passes after
+it read), and an `Accumulation`: those gradients and, per (replica, micro-batch),
+the accumulation ops that are that micro-batch's work (the schedule pass runs them
+in its backward step).
 """
 from __future__ import annotations
 
@@ -20,14 +21,11 @@ import tensorflow as tf
 
 from epl.ir import graph_mutation
 from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR
-from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.ir.graph_view import TrainingView
 from epl.passes import gradient_flow
 from epl.passes.gradient_flow import ReplicaGradients
-
-
-def num_micro_batches(config) -> int:
-    """`pipeline.num_micro_batch` (at least 1)."""
-    return max(1, int(config.get("pipeline.num_micro_batch")))
+from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.replication.result import Replication
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +45,12 @@ class AccumulatePass(GraphPass):
     """Sums each replica's micro-batch gradients into one, weighted by their shares."""
 
     name = "accumulate"
-    requires = ("replicate",)   # reads every unit's gradients
+    requires = (TrainingView, Replication)   # reads every unit's gradients
+    provides = (ReplicaGradients, Accumulation)
     off_note = "one micro-batch per replica (pipeline.num_micro_batch is 1): nothing to add"
 
-    def enabled(self, config) -> bool:
-        """pipeline.num_micro_batch > 1."""
-        return num_micro_batches(config) > 1
-
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        replication = ctx.replication
+        replication = ctx.get(Replication)
         micro = replication.num_micro_batches
         replicas = len(replication.micro_scales)
         first_new = len(graph.get_operations())
@@ -69,12 +64,13 @@ class AccumulatePass(GraphPass):
                     gradient_flow.rewire(first, total, readers)
             per_replica.append(accumulated)
             ops.update({(k, m): list(new) for m, new in ops_of.items()})
-        index = {id(grad): i for i, (grad, _) in enumerate(ctx.view.gradients)}
+        index = {id(grad): i for i, (grad, _) in enumerate(ctx.get(TrainingView).gradients)}
         entries = [(var, [per_replica[k][index[id(original)]] for k in range(replicas)], original)
                    for var, _, original in replication.gradients]
         # split TaskGraphs run one micro-batch (the replicate pass refuses more): unchanged
-        ctx.accumulation = Accumulation(ReplicaGradients(entries,
-                                                         list(replication.split_gradients)), ops)
+        accumulated = ReplicaGradients(entries, list(replication.split_gradients))
+        ctx.provide(accumulated)
+        ctx.provide(Accumulation(accumulated, ops))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{micro} micro-batch gradients per variable added per replica, over {replicas} "

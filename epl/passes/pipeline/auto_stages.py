@@ -78,10 +78,11 @@ from epl.ir import graph_mutation
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 from epl.ir.graph_view import (VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs,
                                training_steps)
-from epl.ir.taskgraph import GraphState, graph_state
+from epl.ir.record import GraphRecord
+from epl.ir.taskgraph import TaskGraph
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.planner import balance, cost_model
-from epl.planner.local import local_profiles
+from epl.planner.worker_planner import WorkerPlanner
 from epl.planner.profiles import get_profile
 
 STAGE_NAME = "stage_{}"
@@ -97,6 +98,8 @@ class StagePartition:
 
     stage_of: forward op -> stage index.
     costs: estimated forward time (seconds on the reference profile) per stage.
+    taskgraphs: the stages' TaskGraphs (stage_0 ... stage_<K-1>), which the analysis
+      reads in place of the script's own.
     crossing: per cut (between stage i and i + 1), the activation tensors
       that cross it (computed from the weights; what the cut rule counts).
     batch_crossing: per cut, the batch-derived tensors (computed from batch
@@ -108,6 +111,12 @@ class StagePartition:
     costs: tuple[float, ...]
     crossing: tuple[tuple[tf.Tensor, ...], ...]
     batch_crossing: tuple[tuple[tf.Tensor, ...], ...] = ()
+
+    @property
+    def taskgraphs(self) -> list[TaskGraph]:
+        """The stages' TaskGraphs, in stage order."""
+        return [TaskGraph(i, StrategySpec(StrategyKind.REPLICATE, 1, STAGE_NAME.format(i)))
+                for i in range(self.num_stages)]
 
     @property
     def num_stages(self) -> int:
@@ -129,22 +138,20 @@ class StagePartition:
         return "\n".join(lines)
 
 
-def wants_auto_stages(state: GraphState, config) -> bool:
-    """True if the config asks for automatic stages and the script has no stage scopes."""
-    if not config.get("auto.auto_parallel") or int(config.get("pipeline.num_stages")) <= 1:
-        return False
-    taskgraphs = state.taskgraphs
-    return not taskgraphs or (len(taskgraphs) == 1
+def keeps_own_stages(taskgraphs: list) -> bool:
+    """True if the script's TaskGraphs are its stages (automatic stages replace only none,
+    or one replicated TaskGraph of one device wrapping the whole model)."""
+    return not (not taskgraphs or (len(taskgraphs) == 1
                               and taskgraphs[0].spec.kind == StrategyKind.REPLICATE
-                              and taskgraphs[0].spec.device_count == 1)
+                              and taskgraphs[0].spec.device_count == 1))
 
 
-def _forward_ops(graph: tf.Graph, state: GraphState):
+def _forward_ops(graph: tf.Graph, record: GraphRecord):
     """(activation ops in creation order, batch-derived ops, anchored ops, batch size).
 
     See the module docstring for the three kinds; the last two in creation order.
     """
-    losses = [step.loss.op for step in training_steps(state)]
+    losses = [step.loss.op for step in training_steps(record)]
     loss_ancestors = ancestors(losses)
     batch_inputs, batch = find_batch_inputs(loss_ancestors)
     if not batch_inputs:
@@ -243,7 +250,7 @@ def _fan_out(ordered: list, crossings: list[list[tf.Tensor]]) -> list[int]:
             for p, tensors in enumerate(crossings)]
 
 
-def plan_stages(graph: tf.Graph, state: GraphState, num_stages: int,
+def plan_stages(graph: tf.Graph, record: GraphRecord, num_stages: int,
                 profile=None, speeds: list[float] | None = None) -> StagePartition:
     """Choose `num_stages` balanced stages for the forward graph (changes nothing).
 
@@ -256,7 +263,7 @@ def plan_stages(graph: tf.Graph, state: GraphState, num_stages: int,
           MAX_CROSSING activation tensors cross.
     """
     profile = profile or get_profile(REFERENCE_PROFILE)
-    ordered, batch_derived, anchored, batch = _forward_ops(graph, state)
+    ordered, batch_derived, anchored, batch = _forward_ops(graph, record)
 
     def cost(op):
         return cost_model.predict_time(cost_model.op_cost(op, unknown_dim=batch), profile)
@@ -302,82 +309,58 @@ def _batch_crossing(batch_derived: list, stage_of: dict, num_stages: int) -> tup
     return tuple(tuple(tensors) for tensors in result)
 
 
-def apply_stages(graph: tf.Graph, state: GraphState, partition: StagePartition) -> None:
-    """Register the stages as TaskGraphs and tag every forward op with its stage.
+def apply_stages(graph: tf.Graph, taskgraphs: list, partition: StagePartition) -> None:
+    """Tag every forward op with its stage (the partition's TaskGraphs then replace the
+    script's `taskgraphs` in the analysis).
 
     A single user TaskGraph that wrapped the whole model is replaced: its tag is
     removed from every op, so backward, apply and other ops resolve their stage
     through analysis.
     """
-    replaced = state.taskgraphs[0].name if state.taskgraphs else None
+    replaced = taskgraphs[0].name if taskgraphs else None
     if replaced is not None:
         for op in graph.get_operations():
             attr = op.node_def.attr.get(TASKGRAPH_ATTR)
             if attr is not None and attr.s.decode() == replaced:
                 graph_mutation.clear_attr(op, TASKGRAPH_ATTR)
-        state.taskgraphs.clear()
-    names = [STAGE_NAME.format(i) for i in range(partition.num_stages)]
-    for name in names:
-        state.add_taskgraph(StrategySpec(StrategyKind.REPLICATE, 1, name))
+    names = [tg.name for tg in partition.taskgraphs]
     for op, stage in partition.stage_of.items():
         graph_mutation.set_attr(op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=names[stage].encode()))
-
-
-def stage_speeds(num_stages: int, profiles: list | None) -> list[float] | None:
-    """Relative FLOP/s of the device each stage runs on (the slowest over replicas).
-
-    The plan gives replica r the devices r*K .. r*K+K-1 and, within them,
-    stage i the i-th by memory (epl.planner.balance.stage_device_order). None when
-    the profiles are absent or all stages get the same speed.
-    """
-    if not profiles or len(profiles) < num_stages:
-        return None
-    replicas = len(profiles) // num_stages
-    speeds = [min(profiles[r * num_stages + balance.stage_device_order(
-        [p.memory_bytes for p in profiles[r * num_stages:(r + 1) * num_stages]])[i]].flops("float32")
-        for r in range(replicas)) for i in range(num_stages)]
-    if all(abs(s - speeds[0]) <= 1e-12 * speeds[0] for s in speeds):
-        return None
-    top = max(speeds)
-    return [s / top for s in speeds]
 
 
 class AutoStagesPass(GraphPass):
     """Cuts an unannotated model into `pipeline.num_stages` balanced stages.
 
-    Runs before the analysis (`before_analysis`): it only writes stage tags and
-    registers the stages' TaskGraphs, which the analysis and the plan then read as
-    if the user had written the stage scopes. Its result (ctx.stages) is the
-    StagePartition it applied, or None when the script keeps its own stages.
+    Runs before the analysis (`before_analysis`): it only writes stage tags, and its
+    result, the StagePartition it applied (with the stages' TaskGraphs), is what the
+    driver analyses and plans with, as if the user had written the stage scopes. It
+    provides nothing when the script keeps its own stages.
     """
 
     name = "auto_stages"
-    requires = ()
+    requires = (GraphRecord, WorkerPlanner)
+    provides = (StagePartition,)
     before_analysis = True
     off_note = "no automatic stages (auto.auto_parallel off, or pipeline.num_stages <= 1)"
 
-    def enabled(self, config) -> bool:
-        """auto.auto_parallel is on and pipeline.num_stages asks for 2 or more stages."""
-        return bool(config.get("auto.auto_parallel")) and \
-            int(config.get("pipeline.num_stages")) > 1
-
     def validate(self, graph: tf.Graph, ctx: PassContext) -> StagePartition | None:
         """The partition (pure analysis; raises for a model with too few places to
-        cut), or None when the script keeps its own TaskGraphs (`wants_auto_stages`)."""
-        state = graph_state(graph)
-        if not wants_auto_stages(state, ctx.config):
+        cut), or None when the script keeps its own TaskGraphs (`keeps_own_stages`)."""
+        record = ctx.get(GraphRecord)
+        if keeps_own_stages(record.taskgraphs):
             return None
-        num_stages = int(ctx.config.get("pipeline.num_stages"))
-        # the local devices' profiles when cluster.device_profiles is set: stages sized
+        num_stages = self.options.num_stages
+        # the local devices' speeds when cluster.device_profiles is set: stages sized
         # to their devices' speed
-        speeds = stage_speeds(num_stages, local_profiles(ctx.cluster, ctx.config))
-        return plan_stages(graph, state, num_stages, speeds=speeds)
+        speeds = ctx.get(WorkerPlanner).stage_speeds(num_stages)
+        return plan_stages(graph, record, num_stages, speeds=speeds)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         partition = ctx.validated[self.name] if self.name in ctx.validated \
             else self.validate(graph, ctx)
         if partition is None:
-            return PassResult(notes=["the script's own TaskGraphs are kept as its stages"])
-        apply_stages(graph, graph_state(graph), partition)
-        ctx.stages = partition
+            return PassResult(notes=["the script's own TaskGraphs are kept as its stages"],
+                              modified=False)
+        apply_stages(graph, ctx.get(GraphRecord).taskgraphs, partition)
+        ctx.provide(partition)
         return PassResult(notes=partition.describe().splitlines())

@@ -33,7 +33,7 @@ Bad input, checked before any rewrite (`validate`): a forward op of a stage
 reading a forward tensor of a later stage (the stages would form a cycle).
 After the rewrite the pass checks that the graph is still acyclic.
 
-Result (ctx.schedule): a `ScheduleLowering`.
+Result: a `ScheduleLowering`.
 """
 from __future__ import annotations
 
@@ -45,10 +45,13 @@ from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, SCHEDULE_EDGE_ATTR,
                                 TASKGRAPH_ATTR, Phase)
-from epl.ir.graph_view import ancestors
-from epl.passes.pipeline.step_order import BACKWARD, FORWARD, Schedule, Step, make_schedule
+from epl.ir.graph_view import TrainingView, ancestors
 from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.pipeline.accumulate import Accumulation
+from epl.passes.pipeline.step_order import BACKWARD, FORWARD, Schedule, Step, make_schedule
+from epl.passes.replication.result import Replication
 from epl.passes.verify import check_acyclic
+from epl.planner.plan import Plan
 
 
 
@@ -168,28 +171,32 @@ class SchedulePass(GraphPass):
     """Orders the micro-batch copies of each stage by the pipeline schedule."""
 
     name = "schedule"
-    requires = ("replicate", "accumulate")   # orders every unit's copies and adds
+    requires = (TrainingView, Plan, Replication)
+    optional = (Accumulation,)   # orders every unit's copies and its adds
+    provides = (ScheduleLowering,)
+    after = ("accumulate",)
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
-        check_stage_order(ctx.view)
+        check_stage_order(ctx.get(TrainingView))
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        view, plan = ctx.view, ctx.plan
-        replication = ctx.replication
+        view, plan = ctx.get(TrainingView), ctx.get(Plan)
+        replication = ctx.get(Replication)
         stages = {tg.name: tg.index for tg in view.taskgraphs}
         num_stages, micro = len(view.taskgraphs), replication.num_micro_batches
         boundaries = stage_boundaries(replication.forward_copies.get((0, 0), {}), stages)
         if num_stages == 1 and micro == 1:
-            ctx.schedule = ScheduleLowering(None, {}, {}, boundaries)
-            return PassResult(notes=["one stage and one micro-batch: nothing to schedule"])
-        strategy = ctx.config.get("pipeline.strategy")
+            ctx.provide(ScheduleLowering(None, {}, {}, boundaries))
+            return PassResult(notes=["one stage and one micro-batch: nothing to schedule"],
+                              modified=False)
+        strategy = self.options.strategy
         schedule = make_schedule(strategy, num_stages, micro)
         loss_ops = [t.op for losses in replication.loss_copies.values() for t in losses]
         live = ancestors(list(view.train_ops) + loss_ops)
         step_ops, barriers = {}, {}
         before_ops = len(graph.get_operations())
         for k in range(plan.num_replicas):
-            groups = _step_ops(replication, ctx.accumulation, k, stages, live)
+            groups = _step_ops(replication, ctx.find(Accumulation), k, stages, live)
             step_ops.update({(k, step): groups.get(step, []) for step in schedule.all_steps()})
             for s, row in enumerate(schedule.per_stage):
                 steps = [step for step in row if groups.get(step)]
@@ -201,7 +208,7 @@ class SchedulePass(GraphPass):
                         graph_mutation.add_control_inputs(op, [barrier])
                     barriers[(k, before, after)] = barrier
         check_acyclic(graph)
-        ctx.schedule = ScheduleLowering(schedule, step_ops, barriers, boundaries)
+        ctx.provide(ScheduleLowering(schedule, step_ops, barriers, boundaries))
         added = [op.name for op in graph.get_operations()[before_ops:]]
         notes = [f"{strategy}: {num_stages} stage(s) x {micro} micro-batch(es), "
                  f"{len(barriers)} schedule edges over {plan.num_replicas} replica(s)"]
@@ -209,4 +216,4 @@ class SchedulePass(GraphPass):
         notes += [f"stage boundary {a}->{b}: {len(ts)} tensor(s) "
                   f"({', '.join(t.name for t in ts[:4])}{', ...' if len(ts) > 4 else ''})"
                   for (a, b), ts in sorted(boundaries.items())]
-        return PassResult(added=added, notes=notes)
+        return PassResult(added=added, notes=notes, modified=bool(barriers))

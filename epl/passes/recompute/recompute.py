@@ -25,8 +25,10 @@ import dataclasses
 
 import tensorflow as tf
 
-from epl.passes.recompute import checkpoints as recompute
+from epl.ir.graph_view import TrainingView
 from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.options import RecomputeOptions
+from epl.passes.recompute import checkpoints as recompute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +46,13 @@ class Recompute:
     check_gradients: bool = False
 
 
-def select_checkpoints(view, config) -> dict:
+def select_checkpoints(view, options: RecomputeOptions) -> dict:
     """Per recorded step (by id), the template tensors gradient checkpointing keeps.
 
     Raises (epl.errors) for an empty "checkpoints" collection or one that holds a
     tensor off the path from the variables to the loss.
     """
-    kind = config.get("gradient_checkpoint.type")
-    end = int(config.get("gradient_checkpoint.end_taskgraph"))
+    kind, end = options.kind, options.end_taskgraph
     selected = {}
     for step in view.steps:
         xs = [v.op.outputs[0] for g, v in step.grads_and_vars if g is not None]
@@ -69,26 +70,23 @@ class RecomputePass(GraphPass):
     """Chooses the forward tensors each step's backward keeps (gradient checkpointing)."""
 
     name = "recompute"
-    requires = ("annotate",)  # reads the analysed TaskGraphs (end_taskgraph)
+    requires = (TrainingView,)   # the analysed TaskGraphs (end_taskgraph)
+    provides = (Recompute,)
+    after = ("annotate",)
     off_note = "no gradient checkpointing (gradient_checkpoint.type is empty)"
-
-    def enabled(self, config) -> bool:
-        """gradient_checkpoint.type is set ("collection" or "auto")."""
-        return bool(config.get("gradient_checkpoint.type"))
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> dict:
         """The selection, on the graph as the user built it (raises for a bad
         collection); run() hands it on."""
-        return select_checkpoints(ctx.view, ctx.config)
+        return select_checkpoints(ctx.get(TrainingView), self.options)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         checkpoints = ctx.validated.get(self.name)
         if checkpoints is None:   # the caller did not validate (a pass run alone)
-            checkpoints = select_checkpoints(ctx.view, ctx.config)
-        ctx.recompute = Recompute(checkpoints,
-                                  bool(ctx.config.get("gradient_checkpoint.check_gradients")))
+            checkpoints = select_checkpoints(ctx.get(TrainingView), self.options)
+        ctx.provide(Recompute(checkpoints, self.options.check_gradients))
         kept = sum(len(tensors) for tensors in checkpoints.values())
         return PassResult(notes=[
-            f"gradient_checkpoint.type {ctx.config.get('gradient_checkpoint.type')!r}: "
+            f"gradient_checkpoint.type {self.options.kind!r}: "
             f"{kept} forward tensor(s) kept over {len(checkpoints)} step(s), the rest "
-            "recomputed in the backward"])
+            "recomputed in the backward"], modified=False)

@@ -157,7 +157,7 @@ def backward_only(new_ops: list, forward_map: dict) -> list:
     return [op for op in new_ops if op not in feeding]
 
 
-def copy_templates(view, plan, ctx, checkpoints, units, micro, forward_copies, slices,
+def copy_templates(view, plan, amp_on: bool, checkpoints, units, micro, forward_copies, slices,
                    mirrors) -> tuple[dict, list]:
     """The template's backward ops copied for every unit they can be copied for
     (reading the unit's forward copies, slices and variables, batch-derived
@@ -166,7 +166,7 @@ def copy_templates(view, plan, ctx, checkpoints, units, micro, forward_copies, s
     Returns ({unit: (its gradients, its backward ops)}, [why autodiff is needed
     for the other units]).
     """
-    why_not = TemplateBackward.unusable(view, view.steps, ctx.amp is not None,
+    why_not = TemplateBackward.unusable(view, view.steps, amp_on,
                                         checkpoints)
     if why_not:
         return {}, [why_not]

@@ -42,13 +42,15 @@ shape-inferred for the whole batch, and TensorFlow refuses to feed them a
 slice with a different static shape; in both modes the original forward and
 backward ops stay in the graph as the template (never run: nothing the train
 op needs reads them), while the variables and the update ops stay the
-originals. This departs from DESIGN.md's "original ops remain replica 0" only
+originals. This departs from the original design's "original ops remain replica 0" only
 for the forward/backward ops.
 
-Result for the next passes (ctx.replication, a Replication):
-every unit's gradients, the gradient each replica's updates read, each replica's
-weight, the merged fetches, the sync ops, the feeds to redirect and, for the
-schedule pass, the forward copies and backward ops of every unit.
+Results for the next passes: a `Replication` (every unit's gradients, the
+gradient each replica's updates read, each replica's weight, the merged
+fetches, the sync ops, the feeds to redirect and, for the schedule pass, the
+forward copies and backward ops of every unit), the gradients each replica's
+updates read (`ReplicaGradients`, the start of the gradient flow) and, with
+gradient_checkpoint.check_gradients, a `GradientCheck`.
 """
 from __future__ import annotations
 
@@ -56,52 +58,71 @@ import tensorflow as tf
 
 from epl.ir import graph_mutation
 from epl.ir.annotations import Phase
-from epl.passes.replication.backward_copy import functional_backward
 from epl.ir.clone import NodeBatch, with_dynamic_rows
-from epl.ir.graph_view import colocation_root, topological_order
+from epl.ir.graph_view import TrainingView, colocation_root, topological_order
+from epl.passes.amp import AmpRewrite
+from epl.passes.gradient_flow import ReplicaGradients
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.passes.pipeline.accumulate import num_micro_batches
+from epl.passes.recompute.recompute import Recompute
 from epl.passes.replication import copies
 from epl.passes.replication import inputs as batch_inputs
 from epl.passes.replication import split_connection
+from epl.passes.replication.backward_copy import functional_backward
 from epl.passes.replication.merge import merge_fetches, merge_split_losses
 from epl.passes.replication.mirrors import mirror_variables, sync_ops, write_local_sync
-from epl.passes.replication.result import Copies, Replication, Setup
+from epl.passes.replication.result import Copies, GradientCheck, Replication, Setup
+from epl.passes.split.split import SplitRecords
+from epl.planner.plan import Plan
 
 
 class ReplicatePass(GraphPass):
     """Copies the model once per (replica, micro-batch) and gives each its batch."""
 
     name = "replicate"
-    # copies AMP's casts; builds the backward with recompute's checkpoints
-    requires = ("annotate", "amp", "recompute")
+    requires = (TrainingView, Plan)
+    # copies AMP's casts; builds the backward with recompute's checkpoints; connects
+    # the split TaskGraphs the split pass rewrote at gradient time
+    optional = (AmpRewrite, Recompute, SplitRecords)
+    provides = (Replication, ReplicaGradients, GradientCheck)
+    after = ("annotate", "amp", "recompute")
+
+    def supports_uneven_shares(self, view) -> bool:
+        """Whether replicas of `view` can take different shares of the batch under this
+        pass's batch mode (the planner's uneven shares apply only then)."""
+        return batch_inputs.supports_uneven_shares(view, self.options.batch_mode)
 
     def validate(self, graph: tf.Graph, ctx: PassContext) -> None:
         """Checks the batch and the split layout."""
-        view, plan, config = ctx.view, ctx.plan, ctx.config
-        split_connection.check_split_supported(view, config)
-        micro, mode = num_micro_batches(config), batch_inputs.batch_mode(config)
+        view, plan, options = ctx.get(TrainingView), ctx.get(Plan), self.options
+        split_connection.check_split_supported(view, options.num_micro_batch,
+                                               options.reduce_method)
+        micro, mode = options.num_micro_batch, options.batch_mode
         sizes = batch_inputs.check_batch(view, plan, micro, mode)
         if mode == batch_inputs.GLOBAL_MODE and sizes is not None:
             batch_inputs.check_sliced_shapes(view, [s // micro for s in sizes])
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         before = set(graph.get_operations())
-        setup = self._prepare(graph, ctx)
-        if ctx.view.split_ops:
-            built = split_connection.connect(ctx, setup)
+        view, plan = ctx.get(TrainingView), ctx.get(Plan)
+        recompute = ctx.find(Recompute)
+        check = recompute is not None and recompute.check_gradients
+        setup = self._prepare(graph, ctx, view, plan, recompute)
+        if view.split_ops:
+            records = ctx.find(SplitRecords)
+            built = split_connection.connect(view, plan, ctx.communicator,
+                                             list(records.records) if records else [],
+                                             check, setup)
         else:
-            built = self._replicate(graph, ctx, setup)
-        return self._finish(graph, ctx, setup, built, before)
+            built = self._replicate(graph, view, plan, ctx.find(AmpRewrite) is not None,
+                                    check, setup)
+        return self._finish(graph, ctx, view, plan, setup, built, before)
 
     # -- steps 1 and 2 -----------------------------------------------------------
-    @staticmethod
-    def _prepare(graph, ctx) -> Setup:
+    def _prepare(self, graph, ctx, view, plan, recompute) -> Setup:
         """Place the originals, give every unit its batch, mirror the variables."""
-        view, plan, config = ctx.view, ctx.plan, ctx.config
-        micro, mode = num_micro_batches(config), batch_inputs.batch_mode(config)
+        micro, mode = self.options.num_micro_batch, self.options.batch_mode
         sizes = batch_inputs.check_batch(view, plan, micro, mode)
-        checkpoints = ctx.recompute.checkpoints if ctx.recompute is not None else {}
+        checkpoints = recompute.checkpoints if recompute is not None else {}
         # inputs before readers: creation order is not enough once autodiff added inputs
         # to a forward op (v2 control flow's gradient gives the forward While the
         # accumulators of its intermediates)
@@ -117,10 +138,11 @@ class ReplicatePass(GraphPass):
 
     # -- step 3 (no split TaskGraph) -------------------------------------------------
     @staticmethod
-    def _replicate(graph, ctx, setup: Setup) -> Copies:
+    def _replicate(graph, view, plan, amp_on: bool, check_gradients: bool,
+                   setup: Setup) -> Copies:
         """Forward and backward copies of every unit; each replica's updates will read
         its micro-batch 0's gradients (the accumulate pass adds the others)."""
-        view, plan, micro = ctx.view, ctx.plan, setup.micro
+        micro = setup.micro
         slices, mirrors, checkpoints = setup.inputs.tensors, setup.mirrors, setup.checkpoints
         all_units = [(k, m) for k in range(plan.num_replicas) for m in range(micro)]
         # v2 control flow in the backward: its functions belong to the autodiff that
@@ -128,9 +150,11 @@ class ReplicatePass(GraphPass):
         each_own = functional_backward(view, view.steps)
         forward_copies = copies.copy_forwards(view, plan, all_units, micro, setup.forward,
                                               setup.inputs, mirrors, own_functions=each_own)
-        copied, autodiff_reasons = copies.copy_templates(view, plan, ctx, checkpoints, all_units,
-                                                         micro, forward_copies, slices, mirrors)
+        copied, autodiff_reasons = copies.copy_templates(view, plan, amp_on, checkpoints,
+                                                         all_units, micro, forward_copies, slices,
+                                                         mirrors)
         gradients, backward_ops, unit_gradients = [], {}, {}
+        check = None
         built_by_shape: dict = {}  # unit shapes -> (unit, its gradients, its backward ops)
         for k in range(plan.num_replicas):
             per_micro = []
@@ -153,10 +177,10 @@ class ReplicatePass(GraphPass):
                     else copies.backward_only(graph.get_operations()[first:],
                                               forward_copies[unit])
                 unit_gradients[unit] = per_micro[-1]
-                if checkpoints and unit == (0, 0) and ctx.recompute.check_gradients:
+                if checkpoints and unit == (0, 0) and check_gradients:
                     # gradients without checkpointing, never run by the train op: the
                     # session compares them with the checkpointed ones before step 1
-                    ctx.gradient_check = (copies.regenerate_gradients(
+                    check = (copies.regenerate_gradients(
                         view, plan, unit, micro, forward_copies[unit], mirrors), per_micro[-1])
             gradients.append(per_micro[0])
         rebuilt = len(built_by_shape)
@@ -166,13 +190,13 @@ class ReplicatePass(GraphPass):
             notes.append(f"{micro} micro-batches per replica; each replica's updates read "
                          "micro-batch 0's gradients until the accumulate pass")
         return Copies(forward_copies, gradients, backward_ops, notes,
-                      unit_gradients=unit_gradients)
+                      unit_gradients=unit_gradients, gradient_check=check)
 
     # -- step 5: the shared ending ---------------------------------------------------
     @staticmethod
-    def _finish(graph, ctx, setup: Setup, built: Copies, before: set) -> PassResult:
-        """Update copies, the train op, merged fetches, sync ops and the artifact."""
-        view, plan, micro = ctx.view, ctx.plan, setup.micro
+    def _finish(graph, ctx, view, plan, setup: Setup, built: Copies, before: set) -> PassResult:
+        """Update copies, the train op, merged fetches, sync ops and the results."""
+        micro = setup.micro
         replicas, mirrors, unit_inputs = plan.num_replicas, setup.mirrors, setup.inputs
         forward_copies, gradients = built.forward_copies, built.gradients
         workers = ctx.communicator.num_workers
@@ -200,7 +224,8 @@ class ReplicatePass(GraphPass):
         units = [forward_copies[(k, m)] for k in range(replicas) for m in range(micro)]
         merged = merge_fetches(graph, view, units, unit_inputs.unit_weights, setup.devices,
                                ctx.communicator)
-        spanning = split_connection.spanning_groups(ctx.split_records)
+        records = ctx.find(SplitRecords)
+        spanning = split_connection.spanning_groups(list(records.records) if records else [])
         local_split = [v for v in view.split_variables
                        if view.taskgraph_of[v].name not in spanning]
         if view.split_ops and workers > 1:
@@ -219,12 +244,15 @@ class ReplicatePass(GraphPass):
                            if var in split_vars and grad is not None]
         loss_copies = {unit: [fmap[t.op].outputs[t.value_index] for t in view.losses
                               if t.op in fmap] for unit, fmap in forward_copies.items()}
-        ctx.replication = Replication(
+        ctx.provide(Replication(
             per_gradient, unit_inputs.replica_weights, merged, syncs, mirrors, replica_maps,
             micro, forward_copies, built.backward_ops, loss_copies, built.presummed,
             split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws),
             built.unit_gradients or {(k, 0): gradients[k] for k in range(replicas)},
-            list(unit_inputs.micro_scales))
+            list(unit_inputs.micro_scales)))
+        ctx.provide(ReplicaGradients(list(per_gradient), list(split_gradients)))
+        if built.gradient_check is not None:
+            ctx.provide(GradientCheck(*built.gradient_check))
         added = [op.name for op in graph.get_operations() if op not in before]
         op_map = {op.name: [forward_copies[u][op].name for u in sorted(forward_copies)
                             if op in forward_copies[u]]

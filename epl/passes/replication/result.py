@@ -1,8 +1,8 @@
 """The values the replicate pass's modules hand each other, and its artifact.
 
 `Setup` (input and variables, built first), `Copies` (what the path with or
-without split TaskGraphs built) and `Replication` (ctx.replication,
-what the passes after it read).
+without split TaskGraphs built), and the pass's results: `Replication` (what
+the passes after it read) and `GradientCheck`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Replication:
     num_micro_batches: M.
     forward_copies: (replica, micro-batch) -> {template forward op: its copy}.
     backward_ops: (replica, micro-batch) -> the backward ops regenerated for that copy
-      (the accumulate pass's ops are its own result, ctx.accumulation).
+      (the accumulate pass's ops are its own result, an Accumulation).
     loss_copies: (replica, micro-batch) -> the copies of the losses.
     presummed: each replica's gradient is already weighted by its batch share
       (split TaskGraphs: one autodiff of the weighted objective), so the
@@ -90,3 +90,14 @@ class Copies:
     notes: list
     presummed: bool = False
     unit_gradients: dict = dataclasses.field(default_factory=dict)
+    gradient_check: tuple | None = None   # (plain, checkpointed) gradients of replica 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientCheck:
+    """gradient_checkpoint.check_gradients: replica 0's gradients without checkpointing
+    (never run by the train op) and with it, which the session compares before the
+    first training step."""
+
+    reference: list
+    checkpointed: list

@@ -43,15 +43,16 @@ from epl.passes.replication import inputs as batch_inputs
 from epl.passes.replication.result import Copies
 
 
-def check_split_supported(view, config) -> None:
-    """What the split path does not combine with yet, each with what to do instead."""
+def check_split_supported(view, micro: int, reduce_method: str) -> None:
+    """What the split path does not combine with yet, each with what to do instead
+    (micro: pipeline.num_micro_batch; reduce_method: communication.gradients_reduce_method)."""
     if not view.split_ops:
         return
     names = ", ".join(tg.spec.describe() for tg in view.split_taskgraphs)
     problems = []
-    if max(1, int(config.get("pipeline.num_micro_batch"))) > 1:
+    if micro > 1:
         problems.append("pipeline.num_micro_batch > 1 (micro-batches)")
-    if config.get("communication.gradients_reduce_method") == "sum":
+    if reduce_method == "sum":
         problems.append('communication.gradients_reduce_method "sum"')
     if len(view.steps) != 1:
         problems.append(f"{len(view.steps)} optimizer steps (one is supported)")
@@ -193,25 +194,25 @@ def tag_global_backward(ops, fallback_device: str) -> None:
 
 def spanning_groups(records) -> set:
     """Names of the split TaskGraphs that span every worker (records: the split
-    pass's SplitRecords, ctx.split_records)."""
+    pass's SplitRecord list)."""
     return {r.taskgraph for r in records if r.spans_workers}
 
 
-def connect(ctx, setup):
+def connect(view, plan, communicator, records: list, check_gradients: bool, setup):
     """Copy the replicated TaskGraphs per replica, connect them with the split ops
     (per `io.batch_mode`, see the module docstring) and run the one autodiff.
 
+    records: the split pass's SplitRecords; check_gradients: also build the
+    gradients without checkpointing (gradient_checkpoint.check_gradients).
     Returns the replicate pass's `Copies`.
     """
-    view, plan = ctx.view, ctx.plan
     replicas = plan.num_replicas
     units = [(k, 0) for k in range(replicas)]
-    records = ctx.split_records
     spanning = spanning_groups(records)
     first_stage = view.taskgraphs[0]
     weights = setup.inputs.replica_weights
     if setup.mode == batch_inputs.REPLICA_MODE:
-        if spanning and ctx.communicator.num_workers > 1:
+        if spanning and communicator.num_workers > 1:
             raise ParallelizeError(
                 f"the split group(s) {sorted(spanning)} span every worker, which EPL supports "
                 "with io.batch_mode 'global' only (the group computes over the whole batch of "
@@ -236,17 +237,19 @@ def connect(ctx, setup):
     step = view.steps[0]
     kept = checkpoint_copies(setup.checkpoints.get(id(step), []), forward_copies, replicas)
     # a loss computed by a split group over every worker is already the global mean
-    multi_worker = ctx.communicator.num_workers > 1 and \
+    multi_worker = communicator.num_workers > 1 and \
         view.taskgraph_of[step.loss.op].name not in spanning
     gradients, backward = global_gradients(view, plan, step, forward_copies, weights,
                                            setup.mirrors, multi_worker, kept)
-    if kept and ctx.recompute.check_gradients:
+    check = None
+    if kept and check_gradients:
         # gradients without checkpointing (never run by the train op): the session
         # compares them with the checkpointed ones before the first step
         plain, _ = global_gradients(view, plan, step, forward_copies, weights, setup.mirrors,
                                     multi_worker)
-        ctx.gradient_check = (plain[0], gradients[0])
-    return Copies(forward_copies, gradients, {(0, 0): backward}, [note], presummed=True)
+        check = (plain[0], gradients[0])
+    return Copies(forward_copies, gradients, {(0, 0): backward}, [note], presummed=True,
+                  gradient_check=check)
 
 
 def replica_split_copies(view, plan, setup, records: list, replica_device) -> dict:

@@ -1,6 +1,6 @@
 """Tensor and expert parallelism: the split pass (runs at gradient time).
 
-DESIGN.md, "Data flow", step 2: when the optimizer's compute_gradients is
+docs/architecture.md, "Data flow", step 2: when the optimizer's compute_gradients is
 called, the forward graph is finished but has no gradients yet. This pass
 rewrites, for every `epl.split(k)` TaskGraph, the ops of that TaskGraph on the
 path to the loss into per-device ops on the TaskGraph's k devices ("slots");
@@ -82,21 +82,23 @@ variables kept whole.
 """
 from __future__ import annotations
 
-import logging
 import contextlib
 import dataclasses
+import logging
 import warnings
 
 import tensorflow as tf
 
+from epl.checkpoint.sharded_variable import shard_existing
 from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
-from epl.ir.annotations import SHARD_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, StrategyKind
+from epl.ir.annotations import SHARD_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR
 from epl.ir.clone import clone_op, replace_input
 from epl.ir.graph_view import VARIABLE_OP_TYPES, ancestors, descendants, find_batch_inputs
-from epl.ir.taskgraph import graph_state
+from epl.ir.record import GraphRecord
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.checkpoint.sharded_variable import shard_existing, shard_sizes
+from epl.planner.plan import SplitPlan
+from epl.planner.worker_planner import WorkerPlanner
 
 # Set on every op the split pass replaced (it stays in the graph, never runs).
 _LOG = logging.getLogger(__name__)
@@ -152,39 +154,6 @@ class Pending:
 
 
 KEEP = object()  # a rule's answer: leave the op as it is (all of its inputs stay full)
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitPlan:
-    """Where one split TaskGraph goes: this worker's devices and each slot's share.
-
-    A split group may span workers: it then has `num_slots` slots in all,
-    this worker holding slots first_slot .. first_slot + len(devices) - 1.
-    """
-
-    devices: tuple
-    weights: tuple | None = None   # None: even shards (else one weight per slot)
-    first_slot: int = 0
-    num_slots: int | None = None   # None: len(devices) (the group is this worker's)
-
-    @property
-    def spans_workers(self) -> bool:
-        """True when other workers hold some of the group's slots."""
-        return (self.num_slots or len(self.devices)) > len(self.devices)
-
-    def _all_sizes(self, dim: int, what: str, must_divide: bool) -> list[int]:
-        return shard_sizes(dim, self.num_slots or len(self.devices), self.weights, what,
-                           must_divide)
-
-    def sizes(self, dim: int, what: str, must_divide: bool = False) -> list[int]:
-        """Extents of `dim` on this worker's slots (see epl.checkpoint.sharded_variable.shard_sizes)."""
-        sizes = self._all_sizes(dim, what, must_divide)
-        return sizes[self.first_slot:self.first_slot + len(self.devices)]
-
-    def offsets(self, dim: int) -> list[int]:
-        """Where this worker's slots start along a dimension of `dim` entries."""
-        sizes = self._all_sizes(dim, "dimension", False)
-        return [sum(sizes[:self.first_slot + j]) for j in range(len(self.devices))]
 
 
 @dataclasses.dataclass
@@ -1276,29 +1245,44 @@ def _softmax_ce(rw: _Rewriter, op, layouts):
 # --------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitInputs:
+    """The split pass's input at gradient time: the loss compute_gradients was given."""
+
+    loss: tf.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRecords:
+    """The SplitRecord of every TaskGraph the split pass rewrote (its result at gradient
+    time; the driver hands the graph's records to the training passes as an input)."""
+
+    records: tuple
+
+
 class SplitPass(GraphPass):
     """Rewrites each split TaskGraph's forward ops into per-device ops (gradient time).
 
-    ctx.split_plans: TaskGraph name -> SplitPlan (set by the caller).
-    ctx.split_loss: the loss compute_gradients was given.
-    Records a SplitRecord per TaskGraph in ctx.split_records (a list).
+    Reads the loss (SplitInputs), the graph's record (its TaskGraphs, and the split
+    TaskGraphs an earlier gradient-time run rewrote) and the worker's planner (each
+    split TaskGraph's devices and shard weights); provides the SplitRecords of the
+    TaskGraphs it rewrote, which the caller adds to the record.
     """
 
     name = "split"
-    requires = ()
+    requires = (SplitInputs, GraphRecord, WorkerPlanner)
+    provides = (SplitRecords,)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
-        state = graph_state(graph)
-        loss = ctx.split_loss
-        plans = ctx.split_plans
+        record_of_graph = ctx.get(GraphRecord)
+        loss = ctx.get(SplitInputs).loss
+        todo = record_of_graph.unsplit_taskgraphs()
+        plans = ctx.get(WorkerPlanner).split_plans(todo)
         before = set(graph.get_operations())
         path = ancestors([loss.op])
-        done = {record.taskgraph for record in state.splits}
         records, notes = [], []
-        todo = [tg for tg in state.taskgraphs
-                if tg.spec.kind == StrategyKind.SPLIT and tg.name not in done]
         tagged_of = {tg.name: [] for tg in todo}
-        followers = _follow_inputs(path, state.taskgraphs)
+        followers = _follow_inputs(path, record_of_graph.taskgraphs)
         for op in graph.get_operations():
             name = _taskgraph_of(op) or followers.get(op)
             if name in tagged_of:
@@ -1312,7 +1296,7 @@ class SplitPass(GraphPass):
             variables = owned[taskgraph.name]
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
             rewriter = _Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
-                                 variables, ctx.communicator, _moe_chunks(ctx.config))
+                                 variables, ctx.communicator, self.options.moe_chunks)
             batch_derived = set()
             if rewriter.spanning:
                 batch_inputs, _ = find_batch_inputs(path)
@@ -1331,20 +1315,12 @@ class SplitPass(GraphPass):
                             if record.fallbacks else "")
                          + (f"; kept whole: {'; '.join(record.unsharded)}"
                             if record.unsharded else ""))
-        state.splits.extend(records)
-        ctx.split_records = records
+        ctx.provide(SplitRecords(tuple(records)))
         added = [op.name for op in graph.get_operations() if op not in before]
         replaced = sorted(op.name for record in records for op in record.replaced)
         if replaced:  # they stay in the graph (TensorFlow cannot delete ops) and never run
             notes.append(f"replaced, never run: {', '.join(replaced)}")
         return PassResult(added=added, notes=notes)
-
-
-def _moe_chunks(config) -> int:
-    """split.moe_chunks of `config` (1 without a config)."""
-    if config is None:
-        return 1
-    return int(config.get("split.moe_chunks"))
 
 
 def _taskgraph_of(op: tf.Operation) -> str | None:
