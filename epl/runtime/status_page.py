@@ -53,20 +53,28 @@ class StatusPage:
         finally:
             os.close(fd)
         self._seq = 0
+        self._names: list[str] | None = None
+        self._names_json = b"[]"
         self._index: dict[str, int] = {}
 
     def write(self, record: dict, collectives: list[str]) -> None:
-        """Replace the record; `collectives`: the current run's, none submitted yet."""
-        data = json.dumps(record, separators=(",", ":")).encode()
-        if len(data) > _RECORD_BYTES:  # a run with very many collectives: keep the rest
-            record = dict(record, collectives=collectives[:_FLAGS_BYTES // 8], truncated=True)
-            data = json.dumps(record, separators=(",", ":")).encode()[:_RECORD_BYTES]
+        """Replace the record (it has no "collectives"); `collectives`: the current
+        run's, none submitted yet (their JSON is kept while they stay the same)."""
+        if collectives is not self._names and collectives != self._names:
+            self._names = collectives
+            self._names_json = json.dumps(self._names[:_FLAGS_BYTES],
+                                          separators=(",", ":")).encode()
+            self._index = {name: i for i, name in enumerate(self._names[:_FLAGS_BYTES])}
+        head = json.dumps(record, separators=(",", ":")).encode()
+        data = head[:-1] + b',"collectives":' + self._names_json + b"}"
+        if len(data) > _RECORD_BYTES:  # a run with very many collectives: keep the record
+            data = head
         self._seq += 1  # odd: being written
         self._map[0:8] = struct.pack("<Q", self._seq)
         self._map[_HEADER.size:_HEADER.size + len(data)] = data
         self._map[8:12] = struct.pack("<I", len(data))
-        self._map[_FLAGS_AT:PAGE_BYTES] = bytes(_FLAGS_BYTES)
-        self._index = {name: i for i, name in enumerate(collectives[:_FLAGS_BYTES])}
+        used = min(len(self._names), _FLAGS_BYTES)
+        self._map[_FLAGS_AT:_FLAGS_AT + used] = bytes(used)
         self._seq += 1
         self._map[0:8] = struct.pack("<Q", self._seq)
 

@@ -66,6 +66,8 @@ class WorkerStatus:
         self.address: tuple[str, int] | None = None
         self.host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         self.abandoned = False  # a run was left behind, stuck in a collective (guarded_run)
+        self._given: list | None = None  # the last run's collectives, and their names
+        self._names: list[str] = []
         self._server: socket.socket | None = None
         self._page: StatusPage | None = None
 
@@ -78,7 +80,9 @@ class WorkerStatus:
             if training:
                 self.training_runs += 1
             self.phase, self.since = "running", time.time()
-            self.run = {"training": training, "collectives": list(collectives), "submitted": []}
+            if collectives is not self._given:  # a plan's runs hand the same list each time
+                self._given, self._names = collectives, [name for name, _ in collectives]
+            self.run = {"training": training, "collectives": collectives, "submitted": []}
             if step_reader is not None:
                 self.step_reader = step_reader
             self._publish()
@@ -133,17 +137,19 @@ class WorkerStatus:
                 "age_s": round(time.time() - self.since, 3), "since": self.since,
                 "step": self.last_step, "training_runs": self.training_runs,
                 "training": self.run["training"],
-                "collectives": [name for name, _ in self.run["collectives"]],
+                "collectives": list(self._names) if self.run["collectives"] else [],
                 "submitted": list(self.run["submitted"]), "verdict": self.verdict,
                 "error": self.error}
 
     def _publish(self) -> None:
         """Copy the record into the shared-memory page (the lock is held)."""
         if self._page is not None:
-            record = self._record()
-            submitted = record.pop("submitted")
-            self._page.write(record, record["collectives"])
-            for name in submitted:
+            record = {"rank": self.rank, "pid": os.getpid(), "phase": self.phase,
+                      "since": self.since, "step": self.last_step,
+                      "training_runs": self.training_runs, "training": self.run["training"],
+                      "verdict": self.verdict, "error": self.error}
+            self._page.write(record, self._names)
+            for name in self.run["submitted"]:
                 self._page.mark(name)
 
     # -- the server and the peers -------------------------------------------

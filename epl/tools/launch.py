@@ -12,7 +12,7 @@ rewritten into these options first (`epl/tools/launch_flags.py`).
 It wraps ``horovodrun --gloo`` and adds what EPL's process model needs.
 horovodrun runs in a helper process that stays up between restarts
 (epl/tools/launch_runner.py: horovodrun checks its build by importing
-TensorFlow, 4 s, once per process), through horovodrun's own entry point:
+TensorFlow, 4 s, once per process), through horovodrun's own entry point.
 
 - ``-H`` defaults to ``localhost:N``; before anything starts, ``-np`` is
   checked against the total slots of ``-H`` (a host without ``:slots`` has
@@ -68,15 +68,17 @@ TensorFlow, 4 s, once per process), through horovodrun's own entry point:
       epl-launch: restart 1 of 3 after worker 1 failed (killed by SIGKILL): starting 2 workers again (-H localhost:2)
       epl-launch: restart 1: resumed from global step 10 (worker 0 restored /ckpt/model.ckpt-10 in 0.05 s)
 
-- ``--min-np M`` (with ``--restarts``; default: ``-np``): a failed worker's
-  slot (every slot of the workers EPL found at fault) is given up (one slot fewer on its host, as Horovod Elastic drops a
-  failed host) and the job restarts with the workers left, as long as there
-  are at least M; without it the job restarts at its full size. With fewer
-  workers the global batch is smaller (each worker feeds its own batch).
+- ``--min-np M`` (with ``--restarts``; default: ``-np``): the failed worker's
+  slot (the slot of every worker EPL found at fault) is given up (one slot
+  fewer on its host, as Horovod Elastic drops a failed host) and the job
+  restarts with the workers left, as long as there are at least M; without it
+  the job restarts at its full size. With fewer workers the global batch is
+  smaller (each worker feeds its own batch).
 
-Bad input (no command, -np < 1, a malformed -H, more workers than slots, an
-option neither epl-launch nor horovodrun knows, a missing command or script,
-no horovodrun) prints ``epl-launch: <problem>`` on stderr and exits 2.
+Bad input (no command, -np < 1, a malformed -H, more workers than slots, a
+missing command or script, no horovodrun) prints ``epl-launch: <problem>`` on
+stderr and exits 2; an option horovodrun refuses ends the job with
+horovodrun's own error (exit 2).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import pytest
 from multiworker import (EPL_LAUNCH, HOROVODRUN, assert_matches_plain, epl_launch, errors,
                          run_job, worker_module)
 from epl.tools import launch as launcher
+from epl.tools import launch_output
 from paths import BENCH  # noqa: E402
 
 JOB_TIMEOUT = 120
@@ -277,6 +278,21 @@ def test_restarter_drops_the_slots_of_the_workers_at_fault():
         "progressing: x (reported by worker 0)): starting 2 workers again (-H a:1,c:1)\n")
 
 
+def test_rank_files_keep_every_ranks_output(tmp_path):
+    files = launch_output.RankFiles(str(tmp_path), 12)
+    for line in ["[0]<stdout>:step 1", "[11]<stderr>:W0000 a log line", "Process 11 exit with "
+                 "status code 1.", "[0]<stderr>:epl-launch-event: {}", "[0]<stdout>:step 2\n"]:
+        files.write(line)
+    files.new_attempt("epl-launch: restart 1")
+    files.write("[0]<stdout>:step 1")
+    files.close()
+    assert (tmp_path / "rank.00" / "stdout").read_text() == (
+        "step 1\nstep 2\nepl-launch: restart 1\nstep 1\n")
+    assert (tmp_path / "rank.11" / "stderr").read_text() == "W0000 a log line\n"
+    assert not (tmp_path / "rank.00" / "stderr").exists()  # the event is the launcher's
+    assert (tmp_path / "launcher.log").read_text() == "Process 11 exit with status code 1.\n"
+
+
 def test_horovodrun_options_are_read_from_its_help():
     options = launcher.horovodrun_options()
     assert options["--timeline-filename"] == 1 and options["--verbose"] == 0
@@ -370,6 +386,24 @@ def test_crashing_worker_fails_the_job_naming_rank_and_error(tmp_path):
     crashed, _ = job.first("[1]<stderr>:RuntimeError: boom")
     assert job.end - crashed < 20
     assert job.elapsed < JOB_TIMEOUT
+
+
+@pytest.mark.multiworker
+def test_output_dir_keeps_every_ranks_output_across_restarts(tmp_path):
+    """--output-dir: each rank's whole output in DIR/rank.<r>/{stdout,stderr}, unprefixed,
+    both attempts of a job restarted once (worker 1 crashes in each)."""
+    logs = tmp_path / "logs"
+    job = _launch(tmp_path, "-np", "2", "--timeout", "20", "--restarts", "1", "--output-dir",
+                  str(logs), "crash")
+    assert job.returncode == 1, "\n".join(job.text)[-4000:]
+    stdout = (logs / "rank.0" / "stdout").read_text().splitlines()
+    assert stdout.count("step 2 [3.0, 3.0, 3.0]") == 2
+    assert stdout.index("epl-launch: restart 1") > stdout.index("step 2 [3.0, 3.0, 3.0]")
+    stderr = (logs / "rank.1" / "stderr").read_text().splitlines()
+    assert stderr.count("RuntimeError: boom at step 3") == 2
+    launcher_log = (logs / "launcher.log").read_text()
+    assert re.search(r"^epl-launch: restart 1 of 1 after worker 1 failed", launcher_log, re.M)
+    assert launcher_log.rstrip().splitlines()[-1] == "epl-launch: no restarts left (--restarts 1)"
 
 
 @pytest.mark.multiworker
