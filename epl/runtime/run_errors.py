@@ -34,7 +34,8 @@ from epl.errors import CheckpointError
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-/]+(?::\d+)?")
 _RECV_SUFFIX = re.compile(r"/_\d+$")
-_VARIABLE = re.compile(r"(?:Could not find variable|uninitialized value) ([A-Za-z0-9_.\-/]*[A-Za-z0-9_])")
+_VARIABLE = re.compile(r"(?:Could not find variable|uninitialized value) "
+                       r"([A-Za-z0-9_.\-/]*[A-Za-z0-9_])")
 
 
 def _lookup(token: str, origins: dict) -> tuple[str, str, str] | None:

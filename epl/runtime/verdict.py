@@ -123,7 +123,7 @@ def explain(me: int, size: int, records: dict[int, dict], labels: dict[str, str]
     """Why worker `me`'s current run failed.
 
     records: every worker's record (`WorkerStatus.snapshot`, its own included;
-    for a worker that did not answer, what `worker_status.probe` found);
+    for a worker that did not answer, what `WorkerStatus.query_peers` found);
     labels: this run's collectives (op name -> what they carry, in words);
     timeout_s: the limit that ran out, or None when the run failed because
     Horovod was shut down.

@@ -17,10 +17,11 @@ worker keeps a small record of where it is and serves it to the others:
   which does not wait for the stalled collective). The addresses (with each
   worker's host and process id) are exchanged by the collective check before
   the first step (epl.runtime.collective_check).
-- A peer that does not answer is probed (`probe_silent`): a process that is
-  gone (its port refuses connections, or no such process on this host), one
-  that is stopped (process state T: SIGSTOP, a debugger), or one whose port
-  accepts connections but that answers nothing (alive, not progressing).
+- A peer that does not answer is probed (`WorkerStatus.query_peers`): a
+  process that is gone (its port refuses connections, or no such process on
+  this host), one that is stopped (process state T: SIGSTOP, a debugger), or
+  one whose port accepts connections but that answers nothing (alive, not
+  progressing).
 - A worker that leaves (its script ends, or it raises) tells the others why,
   from an `atexit` hook; a worker that stops the job after a timeout tells
   them its verdict first.
@@ -210,7 +211,7 @@ class WorkerStatus:
 
     def query_peers(self) -> dict[int, dict]:
         """Every other worker's record: its answer, what it said when it left, or for
-        a worker that does not answer, what `probe_silent` found (phase "gone" or
+        a worker that does not answer, what its probe found (phase "gone" or
         "silent", with its last record from its shared page when it is on this host)."""
         results: dict[int, dict] = {}
         threads = []

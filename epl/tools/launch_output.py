@@ -242,8 +242,8 @@ class OutputWatcher:
         if error is None:
             others = {r: self.error_of(r) for r in set(self.last_error) | set(self.last_exception)
                       if r != rank}
-            error = ("no error line in its output" if not others else
-                     "no error line in its output (worker %d: %s)" % next(iter(sorted(others.items()))))
+            error = "no error line in its output" + (
+                " (worker %d: %s)" % min(others.items()) if others else "")
         if _terminated(code) or code is None:  # horovodrun stopped it while it was failing
             return "%s: worker %d failed: %s" % (PROG, rank, error)
         return "%s: worker %d failed (exit %d): %s" % (PROG, rank, code, error)

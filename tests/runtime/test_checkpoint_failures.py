@@ -44,7 +44,8 @@ def test_save_failing_mid_run_ends_the_job_and_the_restart_resumes_from_the_last
                                         ckpt / "model.ckpt-5", ckpt / "checkpoint")),
         log[0]), "\n".join(log)
     assert re.match(r"epl-launch: restart 1 of 1 after worker 0 failed \((exit 1: )?"
-                    r"epl\.errors\.CheckpointError: worker 0 of 2, at global step 10: saving", log[1]), log[1]
+                    r"epl\.errors\.CheckpointError: worker 0 of 2, at global step 10: saving",
+                    log[1]), log[1]
     assert log[2].startswith("epl-launch: restart 1: resumed from global step 5 (worker 0 "
                              "restored %s in " % (ckpt / "model.ckpt-5")), log[2]
     for rank in (0, 1):

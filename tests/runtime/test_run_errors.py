@@ -42,8 +42,9 @@ def test_user_names_replaces_copies_by_the_users_ops():
     origins = {"EPL_REPLICA_1/out/kernel": ("out/kernel", "replica 1"),
                "EPL_FEED/IteratorGetNext": ("IteratorGetNext", "replica 1")}
     assert user_names("Could not find variable EPL_REPLICA_1/out/kernel. (Could not find "
-                      "resource: localhost/EPL_REPLICA_1/out/kernel) [[EPL_FEED/IteratorGetNext/_31]] "
-                      "x:0 EPL_REPLICA_1/out/kernel:0", origins) == (
+                      "resource: localhost/EPL_REPLICA_1/out/kernel) "
+                      "[[EPL_FEED/IteratorGetNext/_31]] x:0 EPL_REPLICA_1/out/kernel:0",
+                      origins) == (
         "Could not find variable out/kernel (replica 1's copy). (Could not find resource: "
         "localhost/out/kernel (replica 1's copy)) [[IteratorGetNext (replica 1's copy)]] x:0 "
         "out/kernel (replica 1's copy):0")
@@ -79,7 +80,8 @@ def test_end_of_data_says_how_many_batches_a_step_draws(epl_env):
         "at global step 2: the input ran out of data: IteratorGetNext has no more batches (each "
         "step draws 2 batches from it: one per replica and micro-batch, io.batch_mode "
         "'replica'); repeat the dataset (Dataset.repeat) or stop at "
-        "tf.errors.OutOfRangeError. TensorFlow's error, with your names for EPL's copies: "), message
+        "tf.errors.OutOfRangeError. TensorFlow's error, with your names for EPL's copies: "
+    ), message
     assert "EPL_" not in message
     assert info.value.op.name == "IteratorGetNext"
 

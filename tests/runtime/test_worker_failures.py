@@ -62,8 +62,9 @@ def _check_message(job, mode, pattern=None):
 def _check_bound(seconds, job, stalled_at, mode, how, report):
     report(f"time to failure, worker 1 {mode} ({how}): {seconds:.1f} s "
            f"(collective_timeout_s {TIMEOUT_S} s)")
-    assert seconds <= TIMEOUT_S + SLACK_S, "the job ended %.1f s after the stall; its output:\n%s" % (
-        seconds, _timeline(job, stalled_at))
+    assert seconds <= TIMEOUT_S + SLACK_S, (
+        "the job ended %.1f s after the stall; its output:\n%s" % (seconds,
+                                                                  _timeline(job, stalled_at)))
 
 
 def _timeline(job, since: float) -> str:
