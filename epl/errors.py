@@ -27,3 +27,8 @@ class ParallelizeError(EPLError):
 
 class PassError(EPLError):
     """A graph pass failed; the message names the pass and the passes before it."""
+
+
+class CheckpointError(EPLError, OSError):
+    """A checkpoint that cannot be read (a file missing or damaged) or written (a full
+    disk, a removed directory); the message names the file and what is wrong."""
