@@ -35,3 +35,8 @@ class PassError(EPLError):
 class CaptureError(EPLError):
     """`epl.capture` could not capture a training script's graph (missing file, the
     script failed, or it built no graph)."""
+
+
+class CheckpointError(EPLError, OSError):
+    """A checkpoint that cannot be read (a file missing or damaged) or written (a full
+    disk, a removed directory); the message names the file and what is wrong."""

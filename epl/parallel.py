@@ -47,6 +47,7 @@ from epl.passes.pipeline.accumulate import AccumulatePass
 from epl.passes.pipeline.auto_stages import AutoStagesPass, StagePartition
 from epl.passes.pipeline.schedule import SchedulePass
 from epl.passes.recompute.recompute import RecomputePass
+from epl.passes.replication.origins import copy_origins
 from epl.passes.replication.replicate import ReplicatePass
 from epl.passes.replication.result import GradientCheck, Replication
 from epl.passes.skip_on_overflow import SkipOnOverflowPass
@@ -210,6 +211,9 @@ class ParallelGraph:
     drawn: tuple = ()
     # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
     tracer: object = None
+    # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
+    # run-time errors in the user's terms (epl.passes.replication.origins)
+    origins: dict = dataclasses.field(default_factory=dict)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -337,7 +341,8 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     cluster, plan = ctx.cluster, ctx.get(Plan)
     view = ctx.get(TrainingView)   # the amp pass hands on a view with its lowered ops
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
-        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
+        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")),
+                                config)
     replication = ctx.get(Replication)
     zero = ctx.find(ZeroSharding)
     check = ctx.find(GradientCheck)
@@ -351,6 +356,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     result.feeds = dict(replication.feeds)
     result.drawn = tuple(t for op in replication.draws for t in op.outputs)
     result.tracer = make_tracer(config, cluster, graph)
+    result.origins = copy_origins(replication)
     record.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)
     return result

@@ -556,7 +556,7 @@ def run(args: argparse.Namespace) -> str:
         return calibrate(args.output, lambda line: print(line, file=sys.stderr, flush=True))
     if args.output:
         raise PlanInputError("--output is for --calibrate")
-    if not args.cluster:
+    if args.cluster is None:  # an empty one is parse_cluster's to explain
         raise PlanInputError("--cluster is required (or use --calibrate)")
     from epl.planner.planner import plan_cluster
     from epl.planner.profiles import parse_cluster

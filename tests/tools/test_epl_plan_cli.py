@@ -232,6 +232,12 @@ def test_calibrate_errors(tmp_path, capsys):
     assert epl_plan.main(["--model", "bert-base"]) == 2
     assert capsys.readouterr().err.strip() == (
         "epl-plan: error: --cluster is required (or use --calibrate)")
+    assert epl_plan.main(["--model", "bert-base", "--cluster", ""]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "epl-plan: error: empty cluster spec ''; expected comma-separated tokens of the form "
+        "[HOSTS x] [DEVICES_PER_HOST x] PROFILE [@ [NICS x] RATE], e.g. '2x8xV100-32GB,2x8xT4', "
+        "'8xA100', 'V100' or '2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps'; RATE is one NIC's rate "
+        "in Gbps or Gb/s (bits) or GBps or GB/s (bytes), NICS defaults to 1")
     assert epl_plan.main(["--model", "bert-base", "--cluster", "1xA10",
                           "--output", "x.json"]) == 2
     assert capsys.readouterr().err.strip() == (
