@@ -33,7 +33,7 @@ from epl.errors import ConfigError, ParallelizeError, PassError
 from epl.ir.autodiff import internal_autodiff
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.record import GraphRecord
-from epl.observability.summary import format_summary, summarize
+from epl.observability.summary import format_summary, prints_here, summarize
 from epl.observability.trace import make_tracer
 from epl.passes.annotate import AnnotatePass
 from epl.passes.amp import AmpPass
@@ -297,7 +297,8 @@ def pass_context(graph: tf.Graph, record: GraphRecord, passes: list,
     fallback = record.taskgraphs[0].name if record.taskgraphs else "default"
     PassManager(first, instruments, ctx.available, fallback_taskgraph=fallback).run(graph, ctx)
     stages = ctx.find(StagePartition)
-    view = analyze(graph, record, stages.taskgraphs if stages is not None else None)
+    view = analyze(graph, record, stages.taskgraphs if stages is not None else None,
+                   str(config.get("io.batch_mode")))
     # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
     # devices (batch shares, each stage's device), so the dry run and the real run agree
     # uneven shares only where the replicate pass can give replicas different batches
@@ -364,7 +365,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
 def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: float) -> None:
     """Log what parallelize built (epl.observability.summary) at INFO through the "epl" logger."""
     logger = logging.getLogger(__name__)
-    if not logger.isEnabledFor(logging.INFO):
+    if not logger.isEnabledFor(logging.INFO) or not prints_here(result.cluster, config):
         return
     summary = summarize(result.graph, result.plan, result.cluster, result.view, config,
                         ctx.timings, rewrite_s, list(result.fetch_map.values()))

@@ -17,6 +17,8 @@
   leaves (epl.runtime.guarded_run).
 - After a restore, the checkpoint and its global step are logged (and told to
   epl-launch, which logs the step a restarted job resumed from).
+- While `epl.capture` runs a script, the first session (or Scaffold.finalize) on
+  a graph EPL would parallelize raises `epl.env.CaptureStop` instead.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import time
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
+from epl.env import CaptureStop, capturing
 from epl.hooks.record import record_of
 from epl.ir.graph_view import ancestors
 from epl.parallel import ParallelGraph, needs_parallelize, parallelize
@@ -61,6 +64,8 @@ def _parallelize_if_needed(graph: tf.Graph) -> None:
     """Rewrite `graph` if EPL annotated it and has not rewritten it yet."""
     record = record_of(graph, create=False)
     if needs_parallelize(record):
+        if capturing():   # epl.capture: stop the script here, before the rewrite
+            raise CaptureStop(graph)
         parallelize(graph, record)
 
 
@@ -68,7 +73,7 @@ def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
     try:
         _parallelize_if_needed(graph_)
-    except Exception:
+    except BaseException:   # also epl.capture's CaptureStop
         self._session = None  # so BaseSession.__del__ of this half-built session is quiet
         raise
     result = parallel_graph(graph_)

@@ -245,9 +245,11 @@ def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collec
     return out
 
 
-def exchange_bytes(payload: bytes, timeout_s: float) -> list[bytes]:
-    """All-gather `payload` (bytes) from every worker, outside any training graph."""
-    return _exchange(payload, timeout_s)
+def exchange_bytes(payload: bytes, timeout_s: float,
+                   waiting_for: str = "check_collectives_agree") -> list[bytes]:
+    """All-gather `payload` (bytes) from every worker, outside any training graph;
+    `waiting_for` names the exchange in the error when some worker never reaches it."""
+    return _exchange(payload, timeout_s, waiting_for)
 
 
 def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0,

@@ -160,6 +160,7 @@ _OWN_OPTIONS = {"-np": 1, "--num-proc": 1, "-H": 1, "--hosts": 1, "--virtual-dev
                 "--timeout": 1, "--restarts": 1, "--min-np": 1, "--output-dir": 1, "-h": 0,
                 "--help": 0}
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
+CHECK_BUILD = ("--check-build", "-cb")   # `epl-launch --check-build [--json]`: epl-env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -488,8 +489,12 @@ class Restarter:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `epl-launch`; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in CHECK_BUILD:   # horovodrun's --check-build: EPL's own report
+        from epl.tools.env_report import main as env_report
+        return env_report(argv[1:])
     try:  # EPL's --num_workers/--gpu_per_worker, rewritten into this launcher's options
-        argv = translate_epl_flags(list(sys.argv[1:] if argv is None else argv))
+        argv = translate_epl_flags(argv)
     except EplFlagError as err:
         print("%s: %s" % (PROG, err), file=sys.stderr, flush=True)
         return 2
