@@ -3,6 +3,8 @@
 - `report(line)`: a figure printed at the end of the test log.
 - `epl_env(config_dict)`: resets EPL and initializes it with `config_dict`
   (an autouse fixture resets EPL after every test, so hooks are inert again).
+- `update_goldens`: True under `pytest --update-goldens` (or EPL_UPDATE_GOLDENS=1):
+  the wiring goldens (tests/passes/test_pass_wiring.py) are rewritten, not compared.
 - `models`: tiny models with numpy-generated initial values, and `train()`,
   which builds a model in its own `tf.Graph`, trains it for a few steps and
   returns the fetched losses and the final variable values. With EPL reset it
@@ -51,6 +53,20 @@ def report():
     figures" section, shown for passing tests too), e.g. the planner's
     calibration ratios."""
     return _REPORTED.append
+
+
+def pytest_addoption(parser):
+    """--update-goldens: rewrite the pass wiring goldens (tests/passes/goldens/)."""
+    parser.addoption("--update-goldens", action="store_true", default=False,
+                     help="rewrite tests/passes/goldens/*.txt with this run's dumps "
+                          "(tests/passes/test_pass_wiring.py) instead of comparing")
+
+
+@pytest.fixture
+def update_goldens(request) -> bool:
+    """True when the goldens are to be rewritten (--update-goldens, or EPL_UPDATE_GOLDENS=1)."""
+    return bool(request.config.getoption("--update-goldens")) or \
+        os.environ.get("EPL_UPDATE_GOLDENS") == "1"
 
 
 def pytest_terminal_summary(terminalreporter):

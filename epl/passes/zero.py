@@ -174,7 +174,9 @@ def _check(view, level: str) -> list:
                 f"{_var_shape(var)}.")
         updates = _updates(var)
         if len(updates) != 1 or not any(t is grad for t in updates[0].inputs):
-            readers = [c for c in grad.consumers() if _is_apply(c)]
+            # what processes it, as analysed (the user's ops between compute_gradients and
+            # apply_gradients carry no phase tag before the annotate pass runs)
+            readers = [c for c in grad.consumers() if view.phase_of.get(c) == Phase.APPLY]
             what = ", ".join(f"{c.name} ({c.type})" for c in readers[:4]) or "nothing"
             raise ParallelizeError(
                 f"zero.level {level!r} cannot be combined with processing the gradients between "
