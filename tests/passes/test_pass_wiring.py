@@ -209,7 +209,7 @@ def _column_split() -> tf.Tensor:
     """Vocab-parallel logits: a dense layer and its softmax cross entropy under
     epl.split over two devices; returns the loss."""
     features, labels = _inputs()
-    with epl.split(device_count=2):
+    with epl.split(device_count=2, name="classifier"):
         logits = tf.compat.v1.layers.dense(features, 2 * CLASSES, use_bias=False, name="cls")
         return _xent(labels, logits)
 
@@ -218,7 +218,7 @@ def _expert_tokens() -> tf.Tensor:
     """Tokens [batch, experts 4, capacity 4, d] through an expert matmul split over the
     experts (split.moe_chunks cuts the capacity axis); returns the loss."""
     tokens = tf.compat.v1.placeholder(tf.float32, [BATCH, 4, 4, FEATURES], name="tokens")
-    with epl.split(device_count=2):
+    with epl.split(device_count=2, name="experts"):
         experts = tf.compat.v1.get_variable("experts", [4, FEATURES, HIDDEN])
         out = tf.matmul(tokens, experts)
     return tf.reduce_mean(out)
