@@ -25,7 +25,9 @@ Rules, in the order they are applied:
   another scope (minimize() called inside the last pipeline stage's scope);
   otherwise the scope's attribute where set; an untagged op of another phase
   takes the TaskGraph of the op it is colocated with; an untagged forward op
-  takes the latest TaskGraph among its inputs; anything else takes the first
+  takes the latest TaskGraph among its inputs, and a backward or apply op with
+  control inputs only (autodiff's gate NoOps under GATE_OP) the latest among
+  those; anything else takes the first
   replicated TaskGraph, except a variable whose training-step updates all belong
   to one other TaskGraph (a custom optimizer's slots, created outside every scope
   in its apply_gradients): it and the ops that take its handle belong to that one.
@@ -364,6 +366,10 @@ def _resolve_once(ops, taskgraphs: list, phase_of, tags, first: TaskGraph, hints
                 (hints[t.op] for t in op.inputs if t.op in hints), None)  # takes its handle
         if taskgraph is None:
             producers = [resolved[t.op] for t in op.inputs if t.op in resolved]
+            if not op.inputs and phase in (Phase.BACKWARD, Phase.APPLY):
+                # a gate with control inputs only (autodiff's `<op>_grad/tuple/group_deps`
+                # NoOp under GATE_OP): it waits for ops of its own layer
+                producers = [resolved[c] for c in op.control_inputs if c in resolved]
             if producers and phase != Phase.OTHER:
                 taskgraph = max(producers, key=lambda tg: tg.index)
         if taskgraph is None:

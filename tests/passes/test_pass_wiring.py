@@ -36,6 +36,7 @@ from epl import parallel
 from epl.errors import PassError
 from epl.hooks.record import record_of
 from epl.ir import graph_mutation
+from epl.ir.annotations import PHASE_ATTR
 from epl.ir.graph_view import TrainingView
 from epl.passes.annotate import AnnotatePass
 from epl.passes.recompute.recompute import Recompute
@@ -123,10 +124,9 @@ def weight_decay_outside() -> None:
 
 def two_stages(cycle: bool = False) -> None:
     """Two pipeline stages (stage_0: the hidden layer; stage_1: the logits and the loss),
-    SGD without gradient gating. (GATE_NONE: with the default GATE_OP, autodiff's gate
-    NoOps (`<op>_grad/tuple/group_deps`) have no data input and no colocation, and the
-    analysis gives each of them the first TaskGraph, stage_0, those of stage_1's layers
-    too: their copies run on stage_0's device, gated by stage_0's schedule barriers.)
+    SGD with the default gradient gating (GATE_OP: autodiff's gate NoOps,
+    `<op>_grad/tuple/group_deps`, have control inputs only; each follows the stage of
+    the ops it waits for).
     cycle: stage_0's scope, reopened, reads stage_1's logits (a stage cycle)."""
     features, labels = _inputs()
     with epl.replicate(device_count=1, name="stage_0"):
@@ -139,7 +139,7 @@ def two_stages(cycle: bool = False) -> None:
             logits = logits * 2.0
     with epl.replicate(device_count=1, name="stage_1"):
         loss = _xent(labels, logits)
-    _sgd().minimize(loss, gate_gradients=tf.compat.v1.train.Optimizer.GATE_NONE)
+    _sgd().minimize(loss)
 
 
 DEVICES2 = {"cluster.virtual_devices": 2}
@@ -437,3 +437,21 @@ def test_pass_with_nothing_to_do_leaves_the_graph_unchanged(epl_env, name):
     assert (alone.ctx.passes_off if off else alone.ctx.passes_run)[-1] == name
     assert alone.result.modified is False
     assert alone.unchanged(), dump_changes(alone.graph, alone.before, user_ops=alone.user)
+
+
+def test_gate_ops_run_with_the_stage_they_gate(epl_env):
+    """GATE_OP's gate NoOps (control inputs only) follow the stage of the ops they wait
+    for: every backward op with no data input sits on the device of its control inputs,
+    so no stage's backward waits on a gate placed on another stage's device."""
+    epl_env({**DEVICES2, "pipeline.num_micro_batch": 2})
+    graph = tf.Graph()
+    with graph.as_default():
+        two_stages()
+        epl.parallelize(graph)
+    gates = [op for op in graph.get_operations() if not op.inputs and op.control_inputs
+             and op.get_attr(PHASE_ATTR) == b"backward"]
+    assert gates
+    for gate in gates:
+        devices = {c.device for c in gate.control_inputs}
+        if len(devices) == 1:
+            assert gate.device in devices, (gate.name, gate.device, devices)
