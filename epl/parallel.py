@@ -38,6 +38,7 @@ from epl.observability.trace import make_tracer
 from epl.passes.annotate import AnnotatePass
 from epl.passes.amp import AmpPass
 from epl.passes.apply_groups import ApplyGroupsPass
+from epl.passes.consistency import ConsistencyPass
 from epl.passes.gradient_comm import GradientCommPass
 from epl.passes.manager import (DumpInstrument, FingerprintInstrument, PassContext, PassManager,
                                 TimingInstrument)
@@ -65,7 +66,8 @@ from epl.runtime.communicators import make_communicator
 GRADIENT_TIME_PASSES = (("split", SplitPass),)
 TRAINING_PASSES = (
     ("auto_stages", AutoStagesPass), ("annotate", AnnotatePass), ("amp", AmpPass),
-    ("recompute", RecomputePass), ("replicate", ReplicatePass), ("accumulate", AccumulatePass),
+    ("recompute", RecomputePass), ("replicate", ReplicatePass), ("consistency", ConsistencyPass),
+    ("accumulate", AccumulatePass),
     ("unscale", UnscalePass), ("schedule", SchedulePass), ("zero", ZeroPass),
     ("gradient_comm", GradientCommPass), ("apply_groups", ApplyGroupsPass),
     ("skip_on_overflow", SkipOnOverflowPass), ("offload", OffloadPass), ("verify", VerifyPass))
@@ -210,6 +212,12 @@ class ParallelGraph:
     drawn: tuple = ()
     # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
     tracer: object = None
+    # the replicate pass's record (epl/passes/replication/result.py): every unit's copies
+    # and the mirrors; the session feeds every copy of a fed tensor, and answers a fetch
+    # of a per-replica tensor with the first unit's copy
+    replication: object = None
+    # the graph's op count once rewritten: a fetch of a newer op was built afterwards
+    ops_after_rewrite: int = 0
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -350,6 +358,8 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     result.feeds = dict(replication.feeds)
     result.drawn = tuple(t for op in replication.draws for t in op.outputs)
     result.tracer = make_tracer(config, cluster, graph)
+    result.replication = replication
+    result.ops_after_rewrite = len(graph.get_operations())
     record.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)
     return result

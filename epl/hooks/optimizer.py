@@ -133,12 +133,46 @@ def _graph_of(grads_and_vars) -> tf.Graph:
 
 
 def _matching_step(record, grads_and_vars):
-    """The recorded step whose variables the apply call updates (latest first)."""
+    """The recorded step whose gradients the apply call updates its variables with
+    (latest first): one whose variables it updates, from values computed from that
+    step's gradients. An apply call fed from other values (the accumulators of an
+    accumulate-then-apply wrapper, read in a later session.run) is a step of its own."""
     applied = {id(v) for _, v in grads_and_vars}
     for step in reversed(record.train_steps):
-        if step.train_op is None and {id(v) for _, v in step.grads_and_vars} & applied:
+        if step.train_op is None and {id(v) for _, v in step.grads_and_vars} & applied \
+                and _computed_from(grads_and_vars, step):
             return step
     return None
+
+
+def _computed_from(grads_and_vars, step) -> bool:
+    """True if a gradient of the apply call is one of `step`'s gradients or is computed
+    from one (clipping, scaling) through data edges. Only ops created since the step's
+    autodiff are searched (its gradients are among them)."""
+    targets = set()
+    for grad, _ in step.grads_and_vars:
+        for tensor in ([grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices)
+                       else [grad] if grad is not None else []):
+            targets.add(tensor.op)
+    if not targets:
+        return False
+    first = min(op._id for op in targets)
+    stack = []
+    for grad, _ in grads_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            stack += [grad.values.op, grad.indices.op]
+        elif isinstance(grad, tf.Tensor):
+            stack.append(grad.op)
+    seen = set()
+    while stack:
+        op = stack.pop()
+        if op in targets:
+            return True
+        if op in seen or op._id < first:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+    return False
 
 
 def _user_gradients(original, *args, **kwargs):

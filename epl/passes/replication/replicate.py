@@ -249,7 +249,8 @@ class ReplicatePass(GraphPass):
             micro, forward_copies, built.backward_ops, loss_copies, built.presummed,
             split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws),
             built.unit_gradients or {(k, 0): gradients[k] for k in range(replicas)},
-            list(unit_inputs.micro_scales)))
+            list(unit_inputs.micro_scales), list(unit_inputs.unit_weights),
+            dict(unit_inputs.tensors)))
         ctx.provide(ReplicaGradients(list(per_gradient), list(split_gradients)))
         if built.gradient_check is not None:
             ctx.provide(GradientCheck(*built.gradient_check))
