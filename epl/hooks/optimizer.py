@@ -196,6 +196,9 @@ def _user_gradients(original, *args, **kwargs):
     first = len(graph.get_operations())
     with internal_autodiff():
         grads = original(*bound.args, **bound.kwargs)
+    sparse_as_dense = bool(get_config().get("communication.sparse_as_dense"))
+    if sparse_as_dense:   # as compute_gradients: the script gets (and reduces) dense ones
+        grads = [_densify(g) for g in grads]
     loss = ys[0] if isinstance(ys, (list, tuple)) and len(ys) == 1 else ys
     variables = list(xs) if isinstance(xs, (list, tuple)) else [xs]
     pairs = [(g, x) for g, x in zip(grads, variables) if isinstance(x, tf.Variable)]
@@ -205,7 +208,7 @@ def _user_gradients(original, *args, **kwargs):
                        else _Optimizer.GATE_NONE,
                        aggregation_method=call.get("aggregation_method"),
                        grad_loss=grad_ys[0] if isinstance(grad_ys, (list, tuple)) else grad_ys,
-                       sparse_as_dense=False)
+                       sparse_as_dense=sparse_as_dense)
         record_of(graph).train_steps.append(TrainStep(
             loss=loss, grads_and_vars=pairs, gradient_kwargs=kwargs_,
             backward_ops=graph.get_operations()[first:], from_gradients=True))

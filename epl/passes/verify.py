@@ -188,11 +188,13 @@ def check_no_template_work(view, replication, preds: dict | None = None) -> None
 
 
 def check_replica_consistency(view, replication, consistent, gradients=None,
-                              workers: int = 1, preds: dict | None = None) -> None:
+                              workers: int = 1, preds: dict | None = None,
+                              reduced=None) -> None:
     """No run writes a replicated variable from a value that differs per replica
     (module docstring). consistent: the consistency pass's ConsistentValues;
     gradients: the last ReplicaGradients, complete when there is one replica in all
-    (its micro-batches summed); preds: `predecessors(graph)` where the caller has it.
+    (its micro-batches summed); preds: `predecessors(graph)` where the caller has it;
+    reduced: the gradient_comm pass's ReducedGradients (its gathered sparse gradients).
 
     Checked: the writes the training step runs, and the user's own writes outside it
     (a copy EPL made, or an update of the user's step, that the step no longer runs,
@@ -224,6 +226,7 @@ def check_replica_consistency(view, replication, consistent, gradients=None,
                                         for d in shared for u in units}
     replicated = {copy for copies in replication.mirrors.values() for copy in copies}
     clean = list(replication.merged.values()) + list(consistent.clean if consistent else ())
+    clean += list(reduced.gathered if reduced is not None else ())
     if gradients is not None and len(replication.replica_maps) == 1 and workers == 1:
         clean += [t for _, grads, _ in gradients.entries for g in grads if g is not None
                   for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]
@@ -267,5 +270,6 @@ class VerifyPass(GraphPass):
         check_no_template_work(ctx.get(TrainingView), ctx.get(Replication), preds)
         check_replica_consistency(ctx.get(TrainingView), ctx.get(Replication),
                                   ctx.find(ConsistentValues), ctx.find(ReplicaGradients),
-                                  ctx.communicator.num_workers, preds)
+                                  ctx.communicator.num_workers, preds,
+                                  ctx.get(ReducedGradients))
         return PassResult(notes=["invariants hold"], modified=False)
