@@ -1,6 +1,6 @@
 """Install EPL: the one package `epl` (with its CLIs in `epl.tools`) and the console scripts.
 
-The console scripts `epl-dump`, `epl-plan` and `epl-launch` run
+The console scripts `epl-dump`, `epl-plan`, `epl-launch` and `epl-env` run
 `epl.tools.<module>:main`. Build, patch and GPU-check scripts live in the
 repository's `scripts/` directory and are not installed.
 """
@@ -17,6 +17,7 @@ setup(
             "epl-dump=epl.tools.dump:main",
             "epl-plan=epl.tools.plan:main",
             "epl-launch=epl.tools.launch:main",
+            "epl-env=epl.tools.env_report:main",
         ]
     },
 )

@@ -4,7 +4,7 @@
     python bench/calibration.py --runs 5 --only m6_mini
 
 Each example under examples/ is captured as `epl-plan --script` captures it
-(`epl.tools.plan.capture_script_graph`), planned on its virtual CPU devices
+(`epl.capture`), planned on its virtual CPU devices
 with the measured CPU profile (`epl.planner.profiles.virtual_cpu_profiles`), and run
 as a subprocess with small settings; its step time is read from its
 "samples/s" lines (the first interval, with the warm-up, left out).  Each
@@ -45,11 +45,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from epl.hooks.record import record_of  # noqa: E402
 from epl.planner.graph_model import model_from_graph  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
 from epl.planner.profiles import HostSpec, cpu_profile, virtual_cpu_profiles  # noqa: E402
-from epl.tools.plan import capture_script_graph  # noqa: E402
+import epl  # noqa: E402
 
 EXAMPLES_DIR = os.path.join(ROOT, "examples")
 #: predicted/measured within this range meets the target.
@@ -107,10 +106,9 @@ def captured_model(example: Example):
     """(ModelSpec, num_micro_batch) of the example, captured as `epl-plan
     --script` captures it."""
     with contextlib.redirect_stdout(io.StringIO()):  # the script's own lines
-        graph, config = capture_script_graph(script_path(example),
-                                             list(example.argv))
-    return (model_from_graph(graph, name=example.script, record=record_of(graph, create=False)),
-            config.get("pipeline.num_micro_batch"))
+        captured = epl.capture(script_path(example), list(example.argv))
+    return (model_from_graph(captured.graph, name=example.script, record=captured.record),
+            captured.config.get("pipeline.num_micro_batch"))
 
 
 def predicted_step_time(example: Example, captured=None) -> float:

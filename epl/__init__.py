@@ -24,9 +24,11 @@ VERSION = __version__  # EPL's name
 _EXPORTS = {
     "Cluster": "epl.runtime.cluster",
     "Config": "epl.config",
-    "Env": "epl.api", "init": "epl.api", "parallelize": "epl.api",
+    "Env": "epl.env", "init": "epl.api", "parallelize": "epl.api", "capture": "epl.api",
     "EPLError": "epl.errors", "ConfigError": "epl.errors", "ScopeError": "epl.errors",
     "ClusterError": "epl.errors", "ParallelizeError": "epl.errors", "PassError": "epl.errors",
+    "CaptureError": "epl.errors",
+    "CheckpointError": "epl.errors",
     "GraphKeys": "epl.graph_keys", "add_to_collection": "epl.graph_keys",
     "get_all_collections": "epl.graph_keys", "get_collection": "epl.graph_keys",
     "replicate": "epl.strategies", "set_default_strategy": "epl.strategies",

@@ -126,6 +126,9 @@ class KeySpec:
         exclusive: True when ``minimum`` itself is not accepted (``> minimum``).
         keywords: strings a numeric key accepts besides numbers
             (``amp.loss_scale`` accepts ``"dynamic"``).
+        nullable: None is accepted and stored, meaning "unset" (EPL's
+            ``pipeline.num_stages: None``); the environment variable takes
+            ``none`` for it.
     """
 
     key: str
@@ -136,6 +139,7 @@ class KeySpec:
     minimum: float | None = None
     exclusive: bool = False
     keywords: tuple[str, ...] = ()
+    nullable: bool = False
 
     def __post_init__(self) -> None:
         """Freeze a dict or list default so the schema cannot be changed by accident."""
@@ -172,6 +176,8 @@ class KeySpec:
             noun += " %s %s" % (">" if self.exclusive else ">=", _plain(self.minimum))
         if self.keywords:
             noun = " or ".join([repr(word) for word in self.keywords] + [noun])
+        if self.nullable:
+            noun = "None (unset) or " + noun
         return noun
 
 
@@ -200,10 +206,12 @@ _SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("pipeline.num_micro_batch", "int", 1,
             "Number of micro-batches per step in pipeline parallelism.",
             minimum=1),
-    # EPL's default is -1 (code) or None (docs), meaning "unset"; here 1.
-    KeySpec("pipeline.num_stages", "int", 1,
-            "Number of pipeline stages when auto.auto_parallel partitions the model.",
-            minimum=1),
+    # EPL's documented default None means "unset": no automatic partition (its code
+    # wrote -1 and partitioned only for a value > 1); 1 also means one stage.
+    KeySpec("pipeline.num_stages", "int", None,
+            "Number of pipeline stages when auto.auto_parallel partitions the model "
+            "(None: unset, no automatic stages).",
+            minimum=1, nullable=True),
     KeySpec("pipeline.strategy", "str", "PreferBackward",
             "Pipeline schedule: PreferBackward (PipeDream-like, 1F1B) or "
             "PreferForward (GPipe-like).",
@@ -289,8 +297,11 @@ _SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("communication.fp16_scale", "float", 128.0,
             "Scale applied to gradients around float16 all-reduce.",
             minimum=0, exclusive=True),
+    # EPL's False clipped each replica's gradients before the all-reduce; here the
+    # reduced gradients are always clipped (README, "Differences from EPL").
     KeySpec("communication.clip_after_allreduce", "bool", False,
-            "Apply gradient clipping after the all-reduce, not before."),
+            "Accepted for EPL's scripts; no effect: gradients are always clipped after "
+            "they are reduced (the same update as single-device training)."),
     KeySpec("communication.gradients_reduce_method", "str", "mean",
             "How replicas' gradients are combined: 'mean' or 'sum'.",
             allowed=("mean", "sum")),
@@ -332,6 +343,9 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "Level of the stream handler epl.init attaches to the 'epl' logger ('' = leave "
             "logging to the application).",
             allowed=("", "DEBUG", "INFO", "WARNING", "ERROR")),
+    KeySpec("debug.log_all_ranks", "bool", False,
+            "Print the parallel-graph summary and ProgressHook's lines on every worker "
+            "(default: worker 0 only, as Horovod scripts print)."),
     KeySpec("debug.trace_dir", "str", "",
             "Directory for Chrome traces (chrome://tracing, Perfetto) of the training "
             "steps in debug.trace_steps ('' = no traces)."),
@@ -422,6 +436,8 @@ def _check_value(spec: KeySpec, value: Any, source: str) -> Any:
 
     ``source`` names where the value came from, for the error message.
     """
+    if value is None and spec.nullable:
+        return None
     if spec.keywords and isinstance(value, str):
         for word in spec.keywords:
             if value.lower() == word.lower():
@@ -447,6 +463,8 @@ def _check_value(spec: KeySpec, value: Any, source: str) -> Any:
 def _parse_env(spec: KeySpec, text: str, source: str) -> Any:
     """Parse an environment variable's string for ``spec``; return the stored value."""
     stripped = text.strip()
+    if spec.nullable and stripped.lower() == "none":
+        return None
     if spec.type == "str":
         return _check_value(spec, text if spec.allowed is None else stripped, source)
     if spec.keywords and stripped.lower() in (word.lower() for word in spec.keywords):

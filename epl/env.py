@@ -20,14 +20,18 @@ tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
 that needs graph mode (a strategy scope, `epl.parallelize`) refuses eager
 mode with the fix.
 
-`epl.Env` (epl/api.py) is EPL's runtime view of this state.
+`Env` is EPL's runtime view of this state (`epl.Env`, and `from epl.env import
+Env` as in EPL). Its cluster is built by the function `epl.init` registers
+(`set_cluster_factory`: the runtime's `local_cluster`), so that this module
+imports nothing from the runtime.
 """
 from __future__ import annotations
 
 from epl.config import Config
 from epl.errors import ConfigError
 
-_ENV: dict = {"config": None, "cluster": None, "defaults": None}
+_ENV: dict = {"config": None, "cluster": None, "defaults": None, "cluster_factory": None,
+              "capturing": False}
 
 
 def frozen(config: Config | dict | None = None) -> Config:
@@ -95,3 +99,79 @@ def enter_cluster(cluster) -> None:
 def entered_cluster():
     """The cluster entered with ``with epl.Cluster(...)`` since the last init, or None."""
     return _ENV["cluster"]
+
+
+class CaptureStop(BaseException):
+    """Raised by EPL's session and parallelize hooks while `epl.capture` runs a script,
+    where EPL would parallelize `graph`: the script stops there, before the rewrite.
+    A BaseException, so the script's own `except Exception` does not catch it."""
+
+    def __init__(self, graph) -> None:
+        super().__init__("epl.capture stops the script where EPL would parallelize its graph")
+        self.graph = graph
+
+
+def capturing() -> bool:
+    """True while `epl.capture` runs a script (the hooks then raise CaptureStop)."""
+    return _ENV["capturing"]
+
+
+def save_state() -> dict:
+    """This module's state (the active config, cluster, capture flag), for `restore_state`."""
+    return dict(_ENV)
+
+
+def restore_state(saved: dict) -> None:
+    """Make the state `save_state` returned the current one again."""
+    _ENV.update(saved)
+
+
+def begin_capture() -> None:
+    """Set the capture flag (`epl.capture`; `restore_state` clears it again)."""
+    _ENV["capturing"] = True
+
+
+def set_cluster_factory(factory) -> None:
+    """Register `factory(config) -> Cluster`, which builds this worker's cluster for
+    `Env.cluster` (epl.init registers the runtime's `local_cluster`)."""
+    _ENV["cluster_factory"] = factory
+
+
+class Env:
+    """EPL's runtime environment, as EPL's `epl.Env` (`Env.get().config`, `.cluster`)."""
+
+    _instance: "Env | None" = None
+
+    @classmethod
+    def get(cls) -> "Env":
+        """The process's Env (one per process)."""
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    @property
+    def config(self) -> Config | None:
+        """The active Config (frozen), or None before epl.init."""
+        return get_config() if is_initialized() else None
+
+    @property
+    def cluster(self):
+        """This worker's `epl.Cluster`: the one entered with ``with epl.Cluster(...)``
+        since the last epl.init, else the one the runtime uses (read when asked: the
+        GPUs TensorFlow sees or `cluster.virtual_devices`, and Horovod's rank and
+        size); None before epl.init when none was entered."""
+        if entered_cluster() is not None:
+            return entered_cluster()
+        factory = _ENV["cluster_factory"]
+        if not is_initialized() or factory is None:
+            return None
+        return factory(get_config())
+
+    @property
+    def is_ready(self) -> bool:
+        """True once epl.init has run (EPL's name)."""
+        return is_initialized()
+
+    def __repr__(self) -> str:
+        """The active config's changes and the cluster."""
+        return f"Env(config={self.config!r}, cluster={self.cluster!r})"

@@ -13,8 +13,11 @@ class ConfigError(EPLError, ValueError):
     """An unknown configuration key or a value of the wrong type or range."""
 
 
-class ScopeError(EPLError):
-    """A strategy scope used in a way EPL cannot honour (nesting, bad sizes)."""
+class ScopeError(EPLError, RuntimeError):
+    """A strategy scope used in a way EPL cannot honour (nesting, bad sizes).
+
+    Also a RuntimeError, as EPL raised one for these (code that catches
+    RuntimeError around its scopes keeps working)."""
 
 
 class ClusterError(EPLError):
@@ -27,3 +30,13 @@ class ParallelizeError(EPLError):
 
 class PassError(EPLError):
     """A graph pass failed; the message names the pass and the passes before it."""
+
+
+class CaptureError(EPLError):
+    """`epl.capture` could not capture a training script's graph (missing file, the
+    script failed, or it built no graph)."""
+
+
+class CheckpointError(EPLError, OSError):
+    """A checkpoint that cannot be read (a file missing or damaged) or written (a full
+    disk, a removed directory); the message names the file and what is wrong."""

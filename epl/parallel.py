@@ -33,7 +33,7 @@ from epl.errors import ConfigError, ParallelizeError, PassError
 from epl.ir.autodiff import internal_autodiff
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.record import GraphRecord
-from epl.observability.summary import format_summary, summarize
+from epl.observability.summary import format_summary, prints_here, summarize
 from epl.observability.trace import make_tracer
 from epl.passes.annotate import AnnotatePass
 from epl.passes.amp import AmpPass
@@ -48,6 +48,7 @@ from epl.passes.pipeline.accumulate import AccumulatePass
 from epl.passes.pipeline.auto_stages import AutoStagesPass, StagePartition
 from epl.passes.pipeline.schedule import SchedulePass
 from epl.passes.recompute.recompute import RecomputePass
+from epl.passes.replication.origins import copy_origins
 from epl.passes.replication.replicate import ReplicatePass
 from epl.passes.replication.result import GradientCheck, Replication
 from epl.passes.skip_on_overflow import SkipOnOverflowPass
@@ -218,6 +219,9 @@ class ParallelGraph:
     replication: object = None
     # the graph's op count once rewritten: a fetch of a newer op was built afterwards
     ops_after_rewrite: int = 0
+    # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
+    # run-time errors in the user's terms (epl.passes.replication.origins)
+    origins: dict = dataclasses.field(default_factory=dict)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices."""
@@ -301,7 +305,8 @@ def pass_context(graph: tf.Graph, record: GraphRecord, passes: list,
     fallback = record.taskgraphs[0].name if record.taskgraphs else "default"
     PassManager(first, instruments, ctx.available, fallback_taskgraph=fallback).run(graph, ctx)
     stages = ctx.find(StagePartition)
-    view = analyze(graph, record, stages.taskgraphs if stages is not None else None)
+    view = analyze(graph, record, stages.taskgraphs if stages is not None else None,
+                   str(config.get("io.batch_mode")))
     # the runtime Plan from the hardware-aware planner's ClusterPlan of this worker's
     # devices (batch shares, each stage's device), so the dry run and the real run agree
     # uneven shares only where the replicate pass can give replicas different batches
@@ -344,7 +349,8 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     cluster, plan = ctx.cluster, ctx.get(Plan)
     view = ctx.get(TrainingView)   # the amp pass hands on a view with its lowered ops
     if cluster.num_workers > 1:  # before anything runs: mismatched graphs fail here, not hang
-        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")))
+        check_collectives_agree(graph, float(config.get("communication.collective_timeout_s")),
+                                config)
     replication = ctx.get(Replication)
     zero = ctx.find(ZeroSharding)
     check = ctx.find(GradientCheck)
@@ -360,6 +366,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     result.tracer = make_tracer(config, cluster, graph)
     result.replication = replication
     result.ops_after_rewrite = len(graph.get_operations())
+    result.origins = copy_origins(replication)
     record.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)
     return result
@@ -368,7 +375,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
 def _log_summary(result: ParallelGraph, ctx: PassContext, config, rewrite_s: float) -> None:
     """Log what parallelize built (epl.observability.summary) at INFO through the "epl" logger."""
     logger = logging.getLogger(__name__)
-    if not logger.isEnabledFor(logging.INFO):
+    if not logger.isEnabledFor(logging.INFO) or not prints_here(result.cluster, config):
         return
     summary = summarize(result.graph, result.plan, result.cluster, result.view, config,
                         ctx.timings, rewrite_s, list(result.fetch_map.values()))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import warnings
 
 import tensorflow as tf
 
@@ -16,6 +18,13 @@ from epl.hooks.record import default_graph_record
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 
 _AUTO_NAMES = itertools.count()
+# TensorFlow's error for tf.compat.v1.layers (and other tf-keras APIs) under Keras 3,
+# and what to do about it.
+KERAS_3_MESSAGE = "is not available with Keras 3"
+LEGACY_KERAS_HINT = ("EPL: tf.compat.v1.layers needs legacy Keras: install tf-keras (the same "
+                     "version as TensorFlow) and set TF_USE_LEGACY_KERAS=1 in the environment "
+                     "before TensorFlow is imported, e.g. `TF_USE_LEGACY_KERAS=1 python "
+                     "train.py` (README, \"Legacy layers\").")
 
 
 def taskgraph_attr(name: str) -> tf.compat.v1.AttrValue:
@@ -54,11 +63,21 @@ class Strategy:
         self._record = state
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         self._record.scope_stack.pop()
         self._record = None
         self._stack.close()
         self._stack = None
+        if exc is not None:
+            add_legacy_keras_hint(exc)
+
+
+def add_legacy_keras_hint(exc: BaseException) -> None:
+    """Add `LEGACY_KERAS_HINT` as a note to TensorFlow's "not available with Keras 3"
+    error (a tf.compat.v1.layers call without legacy Keras), once."""
+    if isinstance(exc, AttributeError) and KERAS_3_MESSAGE in str(exc) and \
+            LEGACY_KERAS_HINT not in getattr(exc, "__notes__", ()):
+        exc.add_note(LEGACY_KERAS_HINT)
 
 
 def _register(state, spec: StrategySpec) -> None:
@@ -67,7 +86,21 @@ def _register(state, spec: StrategySpec) -> None:
         raise ScopeError(
             f"{spec.describe()} reuses the name of {existing.spec.describe()}; a TaskGraph name "
             "can be reused only with the same strategy. Pick a different name.")
+    if existing is None and spec.kind == StrategyKind.SPLIT and spec.device_count == 1:
+        _warn_split_on_one_device(spec)
     state.add_taskgraph(spec)
+
+
+def _warn_split_on_one_device(spec: StrategySpec) -> None:
+    """Warn (SplitFallbackWarning, and the "epl" logger) that a split TaskGraph of one
+    device splits nothing: its variables stay whole on that device (EPL said nothing)."""
+    from epl.passes.split.split import SplitFallbackWarning
+
+    message = (f"{spec.describe()} spans one device, so nothing under it is split: its "
+               "variables (expert weights, a classifier) stay whole on one device. Give "
+               "device_count >= 2 (e.g. the worker's device count) to split them.")
+    logging.getLogger(__name__).warning("%s", message)
+    warnings.warn(message, SplitFallbackWarning, stacklevel=4)
 
 
 def replicate(device_count: int = 1, name: str | None = None) -> Strategy:

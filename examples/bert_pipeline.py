@@ -37,11 +37,42 @@ from __future__ import annotations
 import argparse
 import math
 
-import numpy as np
-import tensorflow as tf
+from epl.observability.logs import quiet_tensorflow_startup
 
-import epl
-from epl.observability.progress import ProgressHook
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=8,
+                        help="one micro-batch (a step trains on pipelines x micro-batches x batch "
+                             "examples)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="pipeline.num_micro_batch")
+    parser.add_argument("--strategy", default="PreferBackward",
+                        choices=["PreferBackward", "PreferForward"], help="pipeline.strategy")
+    parser.add_argument("--devices", type=int, default=2,
+                        help="virtual CPU devices (CPU only); 4 = 2 pipelines of 2 stages; 0 = "
+                             "cluster.virtual_devices (e.g. epl-launch --virtual-devices)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--masked", type=int, default=2, help="masked positions per sequence")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()   # --help and bad options answer here, before TensorFlow is imported
+
+with quiet_tensorflow_startup():
+    import numpy as np
+    import tensorflow as tf
+
+import epl  # noqa: E402
+from epl.observability.progress import ProgressHook  # noqa: E402
 
 MASK_ID = 0
 GROUP = 8   # tokens of one sequence come from one group of GROUP consecutive ids
@@ -128,74 +159,53 @@ def masked_token_head(x: tf.Tensor, positions: tf.Tensor, targets: tf.Tensor, vo
     return loss, tf.reduce_mean(tf.cast(correct, tf.float32))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8,
-                        help="one micro-batch (a step trains on pipelines x micro-batches x batch "
-                             "examples)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="pipeline.num_micro_batch")
-    parser.add_argument("--strategy", default="PreferBackward",
-                        choices=["PreferBackward", "PreferForward"], help="pipeline.strategy")
-    parser.add_argument("--devices", type=int, default=2,
-                        help="virtual CPU devices (CPU only); 4 = 2 pipelines of 2 stages; 0 = "
-                             "cluster.virtual_devices (e.g. epl-launch --virtual-devices)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--masked", type=int, default=2, help="masked positions per sequence")
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
-    return parser.parse_args(argv)
-
-
-def global_batch(args) -> int:
-    """Examples one step trains on: pipelines (devices / 2 stages) x micro-batches x batch."""
-    return max(1, args.devices // 2) * args.micro_batches * args.batch
+def build(args) -> tuple:
+    """The model of `args` in the default graph: (loss, accuracy, train_op); its two
+    stages are the epl.replicate scopes (EPL must be initialized)."""
+    tokens, positions, targets = tf.compat.v1.data.make_one_shot_iterator(
+        synthetic_dataset(args.batch, args.seq_len, args.vocab, args.masked)).get_next()
+    split = args.layers // 2
+    with epl.replicate(device_count=1, name="stage_0"):
+        x = embeddings(tokens, args.vocab, args.hidden)
+        for i in range(split):
+            x = transformer_layer(x, args.heads, 4 * args.hidden, f"layer_{i}")
+    with epl.replicate(device_count=1, name="stage_1"):
+        for i in range(split, args.layers):
+            x = transformer_layer(x, args.heads, 4 * args.hidden, f"layer_{i}")
+        loss, accuracy = masked_token_head(x, positions, targets, args.vocab)
+    epl.add_to_collection(accuracy, epl.GraphKeys.GLOBAL_MEAN_OBJECTS)
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    train_op = tf.compat.v1.train.AdamOptimizer(args.learning_rate).minimize(
+        loss, global_step=global_step)
+    return loss, accuracy, train_op
 
 
 def main(argv=None) -> dict:
     """Train; print progress; return the last step's loss and accuracy."""
     args = parse_args(argv)
-    print(f"bert_pipeline: {args.steps} steps; building the graph", flush=True)
     config = {"pipeline.num_micro_batch": args.micro_batches,
               "pipeline.strategy": args.strategy, "debug.log_level": "INFO"}
     if args.devices:
         config["cluster.virtual_devices"] = args.devices
     epl.init(epl.Config(config))
-    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
+    cluster = epl.Env.get().cluster
+    args.devices = cluster.gpu_num_per_worker   # this worker's devices
+    rank0 = cluster.worker_index == 0
+    if rank0:
+        print(f"bert_pipeline: {args.steps} steps; building the graph", flush=True)
     with tf.Graph().as_default():
-        tokens, positions, targets = tf.compat.v1.data.make_one_shot_iterator(
-            synthetic_dataset(args.batch, args.seq_len, args.vocab, args.masked)).get_next()
-        split = args.layers // 2
-        with epl.replicate(device_count=1, name="stage_0"):
-            x = embeddings(tokens, args.vocab, args.hidden)
-            for i in range(split):
-                x = transformer_layer(x, args.heads, 4 * args.hidden, f"layer_{i}")
-        with epl.replicate(device_count=1, name="stage_1"):
-            for i in range(split, args.layers):
-                x = transformer_layer(x, args.heads, 4 * args.hidden, f"layer_{i}")
-            loss, accuracy = masked_token_head(x, positions, targets, args.vocab)
-        epl.add_to_collection(accuracy, epl.GraphKeys.GLOBAL_MEAN_OBJECTS)
-        global_step = tf.compat.v1.train.get_or_create_global_step()
-        train_op = tf.compat.v1.train.AdamOptimizer(args.learning_rate).minimize(
-            loss, global_step=global_step)
-
-        print(f"BERT-style encoder: {args.layers} layers, hidden {args.hidden}, vocab "
-              f"{args.vocab}; 2 stages x {args.micro_batches} micro-batches ({args.strategy}) "
-              f"on {args.devices} device(s); micro-batch {args.batch}, global batch "
-              f"{global_batch(args)}", flush=True)
-        progress = ProgressHook(global_batch(args),
-                                {"loss": loss, "masked-token accuracy": accuracy},
+        loss, accuracy, train_op = build(args)
+        progress = ProgressHook(batch_size=args.batch,
+                                tensors={"loss": loss, "masked-token accuracy": accuracy},
                                 every_n_steps=args.log_every, last_step=args.steps,
                                 output_dir=args.logdir)
+        if rank0:
+            print(f"BERT-style encoder: {args.layers} layers, hidden {args.hidden}, vocab "
+                  f"{args.vocab}; 2 stages x {args.micro_batches} micro-batches "
+                  f"({args.strategy}) on {args.devices} device(s); micro-batch {args.batch}",
+                  flush=True)
         hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps), progress]
-        with tf.compat.v1.train.MonitoredTrainingSession(
-                hooks=hooks, summary_dir=args.logdir,
-                log_step_count_steps=args.log_every) as sess:
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
             while not sess.should_stop():
                 sess.run(train_op)
     return {"step": progress.step, "loss": float(progress.values["loss"]),

@@ -20,12 +20,36 @@ frequent), so the loss falls well below log(100000) = 11.5.
 """
 import argparse
 
-import numpy as np
-import tensorflow as tf
+from epl.observability.logs import quiet_tensorflow_startup
 
-import epl
-from epl.observability.progress import ProgressHook
-import epl.layers as layers
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=32,
+                        help="one replica's batch (a step trains on devices x batch examples)")
+    parser.add_argument("--classes", type=int, default=100_000)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
+                             "e.g. 4, or epl-launch --virtual-devices)")
+    parser.add_argument("--device-memory-mb", type=float, default=48.0)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()   # --help and bad options answer here, before TensorFlow is imported
+
+with quiet_tensorflow_startup():
+    import numpy as np
+    import tensorflow as tf
+
+import epl  # noqa: E402
+import epl.layers as layers  # noqa: E402
+from epl.observability.progress import ProgressHook  # noqa: E402
+from epl.observability.summary import JobBatch  # noqa: E402
+
 
 FEATURES, HIDDEN = 32, 64
 
@@ -59,29 +83,20 @@ def report_memory(graph: tf.Graph, classes: int, budget_mb: float) -> None:
               f"({'fits' if shard <= budget_mb * 2**20 else 'does NOT fit'})")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=32,
-                        help="one replica's batch (a step trains on devices x batch examples)")
-    parser.add_argument("--classes", type=int, default=100_000)
-    parser.add_argument("--devices", type=int, default=None,
-                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
-                             "e.g. 4, or epl-launch --virtual-devices)")
-    parser.add_argument("--device-memory-mb", type=float, default=48.0)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
-    args = parser.parse_args()
-
+def main(argv=None) -> None:
+    args = parse_args(argv)
     tf.compat.v1.disable_eager_execution()
     config = {"cluster.colocate_split_and_replicate": True, "debug.log_level": "INFO"}
     if args.devices is not None:
         config["cluster.virtual_devices"] = args.devices
     epl.init(epl.Config(config))
-    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
-    print(f"large_classifier: {args.classes} classes, {args.steps} steps, global batch "
-          f"{args.batch * args.devices} ({args.devices} replicas x {args.batch}); building the "
-          "graph", flush=True)
+    cluster = epl.Env.get().cluster
+    args.devices = cluster.gpu_num_per_worker   # this worker's devices
+    batch = JobBatch(cluster.worker_num, args.devices, 1, "replica", args.batch)
+    rank0 = cluster.worker_index == 0
+    if rank0:
+        print(f"large_classifier: {args.classes} classes, {args.steps} steps, global batch "
+              f"{batch.describe()}; building the graph", flush=True)
 
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         synthetic_dataset(args.classes, args.batch)).get_next()
@@ -92,13 +107,14 @@ def main() -> None:
         loss = layers.sparse_softmax_cross_entropy(labels, logits)
     global_step = tf.compat.v1.train.get_or_create_global_step()
     train_op = tf.compat.v1.train.AdamOptimizer(1e-2).minimize(loss, global_step=global_step)
-    report_memory(tf.compat.v1.get_default_graph(), args.classes, args.device_memory_mb)
+    if rank0:
+        report_memory(tf.compat.v1.get_default_graph(), args.classes, args.device_memory_mb)
 
     hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
-             ProgressHook(args.batch * args.devices, {"loss": loss}, every_n_steps=args.log_every,
-                          last_step=args.steps, output_dir=args.logdir)]
-    with tf.compat.v1.train.MonitoredTrainingSession(
-            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
+             ProgressHook(batch_size=args.batch, tensors={"loss": loss},
+                          every_n_steps=args.log_every, last_step=args.steps,
+                          output_dir=args.logdir)]
+    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
         while not sess.should_stop():
             sess.run(train_op)
 

@@ -21,12 +21,34 @@ previous tokens (a prefix language model), so the loss falls from log(128)
 """
 import argparse
 
-import numpy as np
-import tensorflow as tf
+from epl.observability.logs import quiet_tensorflow_startup
 
-import epl
-from epl.observability.progress import ProgressHook
-import epl.layers as layers
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--batch", type=int, default=8,
+                        help="one replica's batch (a step trains on devices x batch examples)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
+                             "e.g. 4, or epl-launch --virtual-devices)")
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, losses)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()   # --help and bad options answer here, before TensorFlow is imported
+
+with quiet_tensorflow_startup():
+    import numpy as np
+    import tensorflow as tf
+
+import epl  # noqa: E402
+import epl.layers as layers  # noqa: E402
+from epl.observability.progress import ProgressHook  # noqa: E402
+from epl.observability.summary import JobBatch  # noqa: E402
+
 
 PATCHES, PATCH_DIM = 16, 48
 TEXT, VOCAB, CLASSES = 8, 128, 32
@@ -105,27 +127,19 @@ def m6_mini(patches: tf.Tensor, captions: tf.Tensor, split_devices: int):
     return caption_loss, tf.add_n(aux_losses) / LAYERS
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--batch", type=int, default=8,
-                        help="one replica's batch (a step trains on devices x batch examples)")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
-                             "e.g. 4, or epl-launch --virtual-devices)")
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, losses)")
-    args = parser.parse_args()
-
+def main(argv=None) -> None:
+    args = parse_args(argv)
     tf.compat.v1.disable_eager_execution()
     config = {"cluster.colocate_split_and_replicate": True, "debug.log_level": "INFO"}
     if args.devices is not None:
         config["cluster.virtual_devices"] = args.devices
     epl.init(epl.Config(config))
-    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
-    print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts, {args.steps} steps, global batch "
-          f"{args.batch * args.devices} ({args.devices} replicas x {args.batch}); building the "
-          "graph", flush=True)
+    cluster = epl.Env.get().cluster
+    args.devices = cluster.gpu_num_per_worker   # this worker's devices
+    batch = JobBatch(cluster.worker_num, args.devices, 1, "replica", args.batch)
+    if cluster.worker_index == 0:
+        print(f"m6_mini: {LAYERS} layers, {EXPERTS} experts, {args.steps} steps, global batch "
+              f"{batch.describe()}; building the graph", flush=True)
     epl.set_default_strategy(epl.replicate(device_count=1))
 
     patches, captions = tf.compat.v1.data.make_one_shot_iterator(
@@ -136,11 +150,11 @@ def main() -> None:
     train_op = tf.compat.v1.train.AdamOptimizer(2e-3).minimize(loss, global_step=global_step)
 
     hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
-             ProgressHook(args.batch * args.devices, {"caption loss": caption_loss, "balance loss": balance_loss},
+             ProgressHook(batch_size=args.batch,
+                          tensors={"caption loss": caption_loss, "balance loss": balance_loss},
                           every_n_steps=args.log_every, last_step=args.steps,
                           output_dir=args.logdir)]
-    with tf.compat.v1.train.MonitoredTrainingSession(
-            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
+    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
         while not sess.should_stop():
             sess.run(train_op)
 

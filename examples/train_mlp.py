@@ -17,16 +17,40 @@ prototype, so the loss falls well below log(num_classes).
 
 Output: a first line at once, EPL's summary of the parallel graph (logged at
 INFO), then the step, the loss and samples/s every --log-every steps and at
-the last step, and an end summary (epl.observability.progress.ProgressHook). With
---logdir, TensorBoard shows the parallel graph, samples/sec and the loss.
+the last step, and an end summary (epl.observability.progress.ProgressHook),
+as numbers of the job: under several workers (epl-launch -np 2) worker 0
+prints them for all (global batch = workers x replicas x batch). With
+--logdir, TensorBoard shows the parallel graph, samples/sec, global_step/sec
+and the loss.
 """
 import argparse
 
-import numpy as np
-import tensorflow as tf
+from epl.observability.logs import quiet_tensorflow_startup
 
-import epl
-from epl.observability.progress import ProgressHook
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=64,
+                        help="one replica's batch (a step trains on devices x batch examples)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
+                             "e.g. 4, or epl-launch --virtual-devices)")
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()   # --help and bad options answer here, before TensorFlow is imported
+
+with quiet_tensorflow_startup():
+    import numpy as np
+    import tensorflow as tf
+
+import epl  # noqa: E402
+from epl.observability.progress import ProgressHook  # noqa: E402
+from epl.observability.summary import JobBatch  # noqa: E402
 
 FEATURES, CLASSES, HIDDEN = 64, 10, 256
 
@@ -52,27 +76,19 @@ def dense(inputs: tf.Tensor, units: int, name: str, activation=None) -> tf.Tenso
     return activation(outputs) if activation else outputs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=64,
-                        help="one replica's batch (a step trains on devices x batch examples)")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="virtual CPU devices (CPU only; default: cluster.virtual_devices, "
-                             "e.g. 4, or epl-launch --virtual-devices)")
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--logdir", help="TensorBoard directory (graph, samples/sec, loss)")
-    args = parser.parse_args()
-
+def main(argv=None) -> ProgressHook:
+    """Train; print progress; return the ProgressHook (its last step and values)."""
+    args = parse_args(argv)
     tf.compat.v1.disable_eager_execution()
     config = {"debug.log_level": "INFO"}
     if args.devices is not None:
         config["cluster.virtual_devices"] = args.devices
     epl.init(epl.Config(config))
-    args.devices = epl.Env.get().cluster.gpu_num_per_worker   # this worker's devices
-    print(f"train_mlp: {args.steps} steps, global batch {args.batch * args.devices} "
-          f"({args.devices} replicas x {args.batch}); building the graph",
-          flush=True)
+    cluster = epl.Env.get().cluster
+    batch = JobBatch(cluster.worker_num, cluster.gpu_num_per_worker, 1, "replica", args.batch)
+    if cluster.worker_index == 0:
+        print(f"train_mlp: {args.steps} steps, global batch {batch.describe()}; building the "
+              "graph", flush=True)
 
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         synthetic_dataset(args.batch)).get_next()
@@ -85,13 +101,14 @@ def main() -> None:
     global_step = tf.compat.v1.train.get_or_create_global_step()
     train_op = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss, global_step=global_step)
 
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps),
-             ProgressHook(args.batch * args.devices, {"loss": loss}, every_n_steps=args.log_every,
-                          last_step=args.steps, output_dir=args.logdir)]
-    with tf.compat.v1.train.MonitoredTrainingSession(
-            hooks=hooks, summary_dir=args.logdir, log_step_count_steps=args.log_every) as sess:
+    progress = ProgressHook(batch_size=args.batch, tensors={"loss": loss},
+                            every_n_steps=args.log_every, last_step=args.steps,
+                            output_dir=args.logdir)
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps), progress]
+    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
         while not sess.should_stop():
             sess.run(train_op)
+    return progress
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ shell acts on it at once. The freeze still does its job: the children left
 were killed at step 3, and the pending SIGTERM is taken before the shell runs
 anything else. A shell that ignores SIGTERM is still killed after the 5 s.
 
+The same holds for the worker itself at step 1: a worker that is stopped (a
+SIGSTOP, the very stall EPL reports, tests/runtime/test_worker_failures.py)
+ignores its SIGTERM for the full 5 s of step 1's wait, and is only killed at
+step 3. The second patch continues each child after its SIGTERM as well.
+
 scripts/build_horovod.sh runs this with the environment's Python after every
 install of Horovod (built, from the wheel cache, or already there). It patches
 that environment's Horovod in place, and does nothing when it is already patched.
@@ -55,6 +60,23 @@ PATCHED = """    # Kill shell itself.
         pass
 """
 
+CHILD_TERMINATE = """    for child in p.children():
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+"""
+
+CHILD_PATCHED = """    for child in p.children():
+        try:
+            child.terminate()
+            # EPL (scripts/patch_horovod_runner.py): a stopped worker acts on SIGTERM
+            # only once continued.
+            child.resume()
+        except psutil.NoSuchProcess:
+            pass
+"""
+
 # the same patch as written before this script moved from tools/ to scripts/
 EARLIER_PATCHES = (PATCHED.replace("scripts/patch_horovod_runner.py", "tools/patch_horovod_runner.py"),)
 
@@ -62,6 +84,10 @@ EARLIER_PATCHES = (PATCHED.replace("scripts/patch_horovod_runner.py", "tools/pat
 def patch(text: str) -> str:
     """The patched safe_shell_exec.py source (unchanged if already patched; an earlier
     patch's comment brought up to date); ValueError naming a missing anchor."""
+    return _patch_children(_patch_shell(text))
+
+
+def _patch_shell(text: str) -> str:
     if PATCHED in text:
         return text
     for earlier in EARLIER_PATCHES:
@@ -72,6 +98,16 @@ def patch(text: str) -> str:
                          f"once in safe_shell_exec.py, found it {text.count(SHELL_TERMINATE)} "
                          "times; is this Horovod 0.28.1?")
     return text.replace(SHELL_TERMINATE, PATCHED)
+
+
+def _patch_children(text: str) -> str:
+    if CHILD_PATCHED in text:
+        return text
+    if text.count(CHILD_TERMINATE) != 1:
+        raise ValueError("expected the children's terminate in "
+                         "terminate_executor_shell_and_children once in safe_shell_exec.py, "
+                         f"found it {text.count(CHILD_TERMINATE)} times; is this Horovod 0.28.1?")
+    return text.replace(CHILD_TERMINATE, CHILD_PATCHED)
 
 
 def installed_path() -> str:

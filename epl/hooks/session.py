@@ -17,18 +17,23 @@
   leaves (epl.runtime.guarded_run).
 - After a restore, the checkpoint and its global step are logged (and told to
   epl-launch, which logs the step a restarted job resumed from).
+- While `epl.capture` runs a script, the first session (or Scaffold.finalize) on
+  a graph EPL would parallelize raises `epl.env.CaptureStop` instead.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import sys
+import time
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
+from epl.env import CaptureStop, capturing
 from epl.hooks.record import record_of
 from epl.ir.consistency import varying_tensor
 from epl.ir.graph_view import ancestors
@@ -36,13 +41,18 @@ from epl.parallel import ParallelGraph, needs_parallelize, parallelize
 from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
+from epl.checkpoint import damage
+from epl.errors import CheckpointError
+from epl.runtime import run_errors
 from epl.runtime.horovod_comm import collective_label
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
 from epl.runtime.worker_status import STATUS
 
-# Op types that restore variables from a checkpoint (a Saver's restore).
+# Op types that restore variables from a checkpoint (a Saver's restore), and that save one.
 RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
+SAVE_TYPES = frozenset({"SaveV2", "Save", "SaveSlices", "MergeV2Checkpoints"})
 _ORIGINAL = {}
+_ABANDONED = []  # sessions left open because a run of theirs is stuck (see _session_close)
 
 
 def parallel_graph(graph: tf.Graph | None) -> ParallelGraph | None:
@@ -55,6 +65,8 @@ def _parallelize_if_needed(graph: tf.Graph) -> None:
     """Rewrite `graph` if EPL annotated it and has not rewritten it yet."""
     record = record_of(graph, create=False)
     if needs_parallelize(record):
+        if capturing():   # epl.capture: stop the script here, before the rewrite
+            raise CaptureStop(graph)
         parallelize(graph, record)
 
 
@@ -62,7 +74,7 @@ def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
     try:
         _parallelize_if_needed(graph_)
-    except Exception:
+    except BaseException:   # also epl.capture's CaptureStop
         self._session = None  # so BaseSession.__del__ of this half-built session is quiet
         raise
     result = parallel_graph(graph_)
@@ -88,8 +100,9 @@ class _RunPlan:
         self.gather = [result.gather_ops[v] for v in _read_variables(result, targets)]
         self.guards = _guards(result, fetches, targets, self) \
             if result.cluster.num_workers > 1 else {}
-        self.restores = [op for op in ancestors([t for t in targets if t is not None])
-                         if op.type in RESTORE_TYPES]
+        above = ancestors([t for t in targets if t is not None])
+        self.restores = [op for op in above if op.type in RESTORE_TYPES]
+        self.saves = any(op.type in SAVE_TYPES for op in above)
 
 
 class _Guard:
@@ -247,35 +260,66 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if result.gradient_check is not None and result.gradient_check_max_diff is None \
             and plan.trains:   # the first step then uses the batch the check drew
         feed_dict = {**(feed_dict or {}), **_check_gradients(self, result, feed_dict)}
-    if plan.gather:
-        _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
-    if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
-        options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
-    values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
-                                                      run_metadata), self, plan, "fetch")
-    if result.tracer is not None:
-        result.tracer.after_run(run_metadata)
-    if plan.sync:
-        _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync), self, plan, "sync")
+    started = time.time()
+    with _user_terms(self, result, plan, feed_dict):
+        if plan.gather:
+            _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
+        if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
+            options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
+        values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
+                                                          run_metadata), self, plan, "fetch")
+        if result.tracer is not None:
+            result.tracer.after_run(run_metadata)
+        if plan.sync:
+            _bounded(result, lambda: _ORIGINAL["run"](self, plan.sync), self, plan, "sync")
     if plan.restores:
-        _note_restore(self, plan, feed_dict)
+        _note_restore(self, plan, feed_dict, time.time() - started)
     return values
 
 
-def _note_restore(session, plan: _RunPlan, feed_dict) -> None:
-    """After a restore: log the checkpoint and the global step it holds; under
-    epl-launch (EPL_LAUNCH_EVENTS set) also tell the launcher, which logs the step
-    a restarted job resumed from."""
-    path = _fed_value(feed_dict, plan.restores[0].inputs[0])
+@contextlib.contextmanager
+def _user_terms(session, result: ParallelGraph, plan: _RunPlan, feed_dict):
+    """A TensorFlow error of the run is raised in the user's terms (the user's ops for
+    EPL's copies, the worker and the step; a damaged or unwritable checkpoint named
+    with its file and what is wrong): epl.runtime.run_errors."""
+    try:
+        yield
+    except tf.errors.OpError as err:
+        path = _fed_path(feed_dict) if plan.saves or plan.restores else None
+        raise run_errors.rewrite(err, result, _read_step(session),
+                                 saving=path if plan.saves else None,
+                                 restoring=path if plan.restores else None) from None
+
+
+def _read_step(session) -> int | None:
+    """The global step, or None when it cannot be read (not initialized, no global step)."""
     reader = _step_reader(session)
     try:
-        step = int(reader()) if reader is not None else None
+        return int(reader()) if reader is not None else None
     except (tf.errors.OpError, TypeError, ValueError):
-        step = None
-    logging.getLogger("epl").info("restored the variables from %s (global step %s)",
-                                  path or "a checkpoint", step)
+        return None
+
+
+def _fed_path(feed_dict) -> str | None:
+    """The checkpoint path a Saver feeds (the one string it feeds), or None."""
+    for value in (feed_dict or {}).values():
+        value = value.decode() if isinstance(value, bytes) else value
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _note_restore(session, plan: _RunPlan, feed_dict, seconds: float) -> None:
+    """After a restore (that took `seconds`): log the checkpoint and the global step it
+    holds; under epl-launch (EPL_LAUNCH_EVENTS set) also tell the launcher, which logs
+    the step a restarted job resumed from."""
+    path = _fed_value(feed_dict, plan.restores[0].inputs[0])
+    step = _read_step(session)
+    logging.getLogger("epl").info("restored the variables from %s (global step %s) in %.2f s",
+                                  path or "a checkpoint", step, seconds)
     if os.environ.get("EPL_LAUNCH_EVENTS"):
-        event = {"event": "restored", "global_step": step, "checkpoint": path}
+        event = {"event": "restored", "global_step": step, "checkpoint": path,
+                 "seconds": round(seconds, 3)}
         print("epl-launch-event: " + json.dumps(event), file=sys.stderr, flush=True)
 
 
@@ -369,24 +413,50 @@ def _step_reader(session):
 
 def _session_close(self):
     """Before a multi-worker session closes, note its global step: a peer that
-    outlives this worker says after which step it left (epl.runtime.worker_status)."""
+    outlives this worker says after which step it left (epl.runtime.worker_status).
+    After a run of it was abandoned in a collective that never completes (the job
+    failed on a timeout, epl.runtime.guarded_run), TensorFlow's close would wait for
+    that run: the session is only marked closed (and kept, so that deleting it
+    does not wait either); the process is about to exit."""
     graph = getattr(self, "_graph", None)
     result = parallel_graph(graph) if graph is not None and not getattr(self, "_closed", True) \
         else None
     if result is not None and result.cluster.num_workers > 1:
+        if STATUS.abandoned:
+            self._closed = True
+            _ABANDONED.append(self)
+            return None
         STATUS.read_step()
     return _ORIGINAL["close"](self)
 
 
+def _saver_restore(self, sess, save_path):
+    """Saver.restore of a parallelized graph: a checkpoint whose index file is gone
+    (TensorFlow: "not a valid checkpoint") is named with what is wrong."""
+    try:
+        return _ORIGINAL["restore"](self, sess, save_path)
+    except ValueError as err:
+        graph = getattr(sess, "graph", None)
+        problem = damage.diagnose(str(save_path)) if save_path and graph is not None \
+            and parallel_graph(graph) is not None else None
+        if problem is None:
+            raise
+        raise CheckpointError("cannot restore the checkpoint %s: %s. %s" % (
+            save_path, problem, run_errors.older_checkpoint(str(save_path)))) from None
+
+
 def install() -> None:
-    """Wrap BaseSession.__init__/run/close and Scaffold.finalize (idempotent)."""
+    """Wrap BaseSession.__init__/run/close, Scaffold.finalize and Saver.restore
+    (idempotent)."""
     if _ORIGINAL:
         return
     base = session_lib.BaseSession
     scaffold = tf.compat.v1.train.Scaffold
+    saver = tf.compat.v1.train.Saver
     _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize,
-                     close=base.close)
+                     close=base.close, restore=saver.restore)
     base.__init__ = functools.wraps(_ORIGINAL["init"])(_session_init)
     base.run = functools.wraps(_ORIGINAL["run"])(_session_run)
     base.close = functools.wraps(_ORIGINAL["close"])(_session_close)
     scaffold.finalize = functools.wraps(_ORIGINAL["finalize"])(_scaffold_finalize)
+    saver.restore = functools.wraps(_ORIGINAL["restore"])(_saver_restore)

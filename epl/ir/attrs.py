@@ -13,12 +13,15 @@ from typing import Iterable
 import tensorflow as tf
 from tensorflow.python.client import pywrap_tf_session as c_api
 
+from epl.ir import graph_mutation
+
 
 def set_string_attrs(graph: tf.Graph, assignments: Iterable[tuple[tf.Operation, str, bytes]]) -> int:
     """For each (op, name, value) of `assignments` (ops of `graph`), set op's string
     attribute `name` to `value`, in order. Returns how many were set."""
     buffers: dict = {}  # value -> TF_Buffer holding its serialized AttrValue
     count = 0
+    changed = graph_mutation.changes_of(graph)   # tracked for the dumps (or None)
     try:
         with graph._c_graph.get() as c_graph:
             for op, name, value in assignments:
@@ -28,6 +31,8 @@ def set_string_attrs(graph: tf.Graph, assignments: Iterable[tuple[tf.Operation, 
                     buffer = buffers[value] = c_api.TF_NewBufferFromString(data)
                 c_api.SetAttr(c_graph, op._c_op, name, buffer)
                 count += 1
+                if changed is not None:
+                    changed.add(op._id)
     finally:
         for buffer in buffers.values():
             c_api.TF_DeleteBuffer(buffer)

@@ -9,10 +9,12 @@ Payload: the tensors a collective sends, i.e. its data inputs that are not
 group/instance keys or sizes: input 0, or every input for the grouped ops
 (`HorovodGroupedAllreduce`, `NcclReduce`); a receive (`CollectiveBcastRecv*`)
 sends nothing. Bytes are counted only for fully static shapes.
+
+The module imports no TensorFlow (epl-dump reads the op types without it).
 """
 from __future__ import annotations
 
-import tensorflow as tf
+from typing import Any
 
 V1_COLLECTIVES = frozenset({"CollectiveReduce", "CollectiveGather",
                             "CollectiveBcastSend", "CollectiveBcastRecv"})
@@ -38,12 +40,12 @@ COLLECTIVE_OPS = (V1_COLLECTIVES | frozenset(V2_COLLECTIVE_INPUTS) | V3_COLLECTI
                   | NCCL_COLLECTIVES | HOROVOD_COLLECTIVES)
 
 
-def is_collective(op: tf.Operation) -> bool:
+def is_collective(op: Any) -> bool:
     """True if `op` is a collective (by op type)."""
     return op.type in COLLECTIVE_OPS
 
 
-def payload_tensors(op: tf.Operation) -> list[tf.Tensor]:
+def payload_tensors(op: Any) -> list:
     """The tensors collective `op` sends (see the module doc)."""
     if op.type in NO_PAYLOAD_OPS or not op.inputs:
         return []
@@ -52,12 +54,13 @@ def payload_tensors(op: tf.Operation) -> list[tf.Tensor]:
     return [op.inputs[0]]
 
 
-def payload_bytes(op: tf.Operation) -> int | None:
-    """Bytes collective `op` sends per run, or None when a shape is not static."""
+def payload_bytes(op: Any) -> int | None:
+    """Bytes collective `op` (a tf.Operation) sends per run, or None when a shape is not
+    static."""
     total = 0
     for tensor in payload_tensors(op):
         count = tensor.shape.num_elements()
-        if count is None or tensor.dtype in (tf.string, tf.resource, tf.variant):
+        if count is None or tensor.dtype.name in ("string", "resource", "variant"):
             return None
         total += count * tensor.dtype.size
     return total

@@ -7,42 +7,76 @@ pass reaches through this module (and `epl.ir.attrs` for tagging many ops at
 once), so a TensorFlow upgrade that changes them is fixed here alone.
 Building new ops from existing ones (the private op-creation and control-flow
 calls of copying) stays in `epl.ir.clone`, the one module that copies ops.
+
+Since every change to an existing op goes through here, a reader that wants to
+know which ops changed since it last looked (the graph dumps of
+`debug.dump_dir`, which re-serialize only those) asks `track_changes(graph)`
+for the set of their ids (`op._id`); nothing is recorded for graphs nobody
+tracks.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 import tensorflow as tf
+
+# graph -> ids of its ops changed through this module since the tracker cleared the set
+_CHANGED: "weakref.WeakKeyDictionary[tf.Graph, set[int]]" = weakref.WeakKeyDictionary()
+
+
+def track_changes(graph: tf.Graph) -> set[int]:
+    """Start (or go on) recording the ids (`op._id`) of the ops of `graph` whose NodeDef
+    this module or `epl.ir.attrs` changes; returns the live set (the caller clears it)."""
+    return _CHANGED.setdefault(graph, set())
+
+
+def changes_of(graph: tf.Graph) -> set[int] | None:
+    """The live set `track_changes` returned for `graph`, or None when it is not tracked."""
+    return _CHANGED.get(graph) if _CHANGED else None
+
+
+def _changed(op: tf.Operation) -> None:
+    if _CHANGED:
+        ids = _CHANGED.get(op.graph)
+        if ids is not None:
+            ids.add(op._id)
 
 
 def set_attr(op: tf.Operation, name: str, value: tf.compat.v1.AttrValue) -> None:
     """Set node attribute `name` of `op` to `value` (an AttrValue)."""
     op._set_attr(name, value)
+    _changed(op)
 
 
 def clear_attr(op: tf.Operation, name: str) -> None:
     """Remove attribute `name` from `op`'s NodeDef."""
     op._clear_attr(name)
+    _changed(op)
 
 
 def set_device(op: tf.Operation, device: str) -> None:
     """Place `op` on `device` (a device string; "" clears it)."""
     op._set_device(device)
+    _changed(op)
 
 
 def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     """Make input `index` of `op` read `tensor` instead."""
     op._update_input(index, tensor)
+    _changed(op)
 
 
 def add_control_inputs(op: tf.Operation, ops: Iterable[tf.Operation]) -> None:
     """Make `op` run after each of `ops` (control edges)."""
     op._add_control_inputs(list(ops))
+    _changed(op)
 
 
 def remove_all_control_inputs(op: tf.Operation) -> None:
     """Drop every control edge into `op`."""
     op._remove_all_control_inputs()
+    _changed(op)
 
 
 def rewire_consumers(tensor: tf.Tensor, replacement: tf.Tensor,
@@ -57,3 +91,4 @@ def rewire_consumers(tensor: tf.Tensor, replacement: tf.Tensor,
         for index, inp in enumerate(consumer.inputs):
             if inp is tensor:
                 consumer._update_input(index, replacement)
+                _changed(consumer)

@@ -286,8 +286,24 @@ def _first_dim(tensor: tf.Tensor) -> int | None:
     return shape[0]
 
 
-def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor], int | None]:
-    """Return the batch input tensors among the loss's ancestors and the batch size."""
+def batch_input_words(batch_mode: str = "replica") -> str:
+    """What EPL does with the batch inputs under `batch_mode` (io.batch_mode), for errors."""
+    if batch_mode == "global":
+        return ("EPL slices the worker's batch (io.batch_mode 'global') along the first "
+                "dimension of")
+    return ("each replica and micro-batch draws its own batch (io.batch_mode 'replica', the "
+            "default) from")
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def find_batch_inputs(loss_ancestors: set[tf.Operation], batch_mode: str = "replica"
+                      ) -> tuple[list[tf.Tensor], int | None]:
+    """Return the batch input tensors among the loss's ancestors and the batch size.
+
+    batch_mode (io.batch_mode) only words the error raised when they disagree."""
     ordered = sorted(loss_ancestors, key=lambda op: op._id)
     sources = []
     for op in ordered:
@@ -299,10 +315,11 @@ def find_batch_inputs(loss_ancestors: set[tf.Operation]) -> tuple[list[tf.Tensor
     if len(known) > 1:
         listing = "; ".join(f"{t.name} {t.shape}" for t in sources)
         raise ParallelizeError(
-            "the batch inputs disagree on the global batch size (first dimension): "
-            f"{listing}. Every placeholder or iterator output of rank >= 1 that feeds the loss "
-            "is sliced along its first dimension; give them the same batch dimension, or feed "
-            "per-example constants (like class weights) as tf.constant instead of placeholders.")
+            "the batch inputs disagree on the batch size (first dimension): "
+            f"{listing}. {_capitalized(batch_input_words(batch_mode))} every placeholder or "
+            "iterator output of rank >= 1 that feeds the loss; give them the same batch "
+            "dimension, or feed per-example constants (like class weights) as tf.constant "
+            "instead of placeholders.")
     consts = [op.outputs[0] for op in ordered if op.type == "Const"
               and _first_dim(op.outputs[0]) is not None and _feeds_as_data(op.outputs[0])]
     if not known:
@@ -580,9 +597,10 @@ def _plan_writes(graph, ops, phase_of, step_ops, replica_ops, batch_inputs, loss
     return plan
 
 
-def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None) -> TrainingView:
+def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None,
+            batch_mode: str = "replica") -> TrainingView:
     """Build the TrainingView of `graph` from its `record`; raises ParallelizeError on
-    bad input.
+    bad input (worded for `batch_mode`, io.batch_mode).
 
     taskgraphs: the TaskGraphs to analyse with (default: the record's; the automatic
     stages hand theirs). A model with no replicated TaskGraph gets the implicit
@@ -600,10 +618,10 @@ def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None
     gradients = [(g, v.op) for s in steps for g, v in s.grads_and_vars if g is not None]
     step_ops = ancestors(train_ops)
     loss_ancestors = ancestors([t.op for t in losses])
-    batch_inputs, batch = find_batch_inputs(loss_ancestors)
+    batch_inputs, batch = find_batch_inputs(loss_ancestors, batch_mode)
     if not batch_inputs:
         raise ParallelizeError(
-            "no batch input feeds the loss: EPL slices the global batch from tf.data iterator "
+            f"no batch input feeds the loss: {batch_input_words(batch_mode)} tf.data iterator "
             "outputs, placeholders of rank >= 1, or constants whose first dimension is the "
             "batch. Feed the examples through one of these.")
     batch_region = ancestors([t.op for t in batch_inputs])

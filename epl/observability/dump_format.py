@@ -45,7 +45,13 @@ Decisions:
 
 `read_dump` reads the directory back; graphs are loaded only when a
 `PassDump`'s ``graph_def`` is first used, and a file several passes share is
-parsed once. `select_pass` resolves a pass by name or index. All reading
+parsed once. Reading needs no TensorFlow: graphs are parsed into
+TensorFlow's GraphDef class when TensorFlow is loaded (so they work with its
+APIs, `tf.import_graph_def`), else into TensorBoard's copy of the same proto
+(`tensorboard.compat.proto`, which ships without TensorFlow), so `epl-dump`
+answers without importing TensorFlow. Writing takes either class
+(`write_pass_dump`), or the serialized bytes (`write_serialized_pass`, what
+`epl.observability.dump_writer` gives). `select_pass` resolves a pass by name or index. All reading
 errors are `DumpError`, whose message names the file, the problem and what
 to do.
 """
@@ -55,11 +61,11 @@ import hashlib
 import json
 import os
 import re
+import sys
 from typing import Any, Callable
 
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError
-from tensorflow.core.framework import graph_pb2, tensor_pb2
 
 from epl.errors import EPLError
 from epl.ir.annotations import DUMP_ELIDED_ATTR
@@ -88,10 +94,10 @@ class PassDump:
     was (the two share one graph file).
     """
 
-    def __init__(self, index: int, pass_name: str, graph_def: graph_pb2.GraphDef | None = None,
+    def __init__(self, index: int, pass_name: str, graph_def: Any = None,
                  summary: dict[str, Any] | None = None, graph_path: str | None = None,
                  unchanged: bool = False, num_ops: int | None = None,
-                 loader: Callable[[str], graph_pb2.GraphDef] | None = None) -> None:
+                 loader: Callable[[str], Any] | None = None) -> None:
         self.index = index
         self.pass_name = pass_name
         self.summary = summary if summary is not None else {}
@@ -102,7 +108,7 @@ class PassDump:
         self._loader = loader or load_graph_def
 
     @property
-    def graph_def(self) -> graph_pb2.GraphDef:
+    def graph_def(self) -> Any:
         """The pass's GraphDef (loaded from `graph_path` on first use)."""
         if self._graph_def is None:
             if self.graph_path is None:
@@ -144,33 +150,51 @@ def pass_file_stem(index: int, pass_name: str) -> str:
     return f"{index:03d}_{safe_name}"
 
 
-def elide_large_constants(graph_def: graph_pb2.GraphDef,
-                          max_bytes: int = MAX_CONSTANT_BYTES) -> int:
-    """Drop the content of every constant tensor larger than `max_bytes`, in place.
+def graph_def_class() -> type:
+    """The GraphDef class graphs are read into: TensorFlow's when it is loaded, else
+    TensorBoard's copy of the same proto (no TensorFlow needed)."""
+    if "tensorflow" in sys.modules:
+        from tensorflow.core.framework import graph_pb2
+    else:
+        from tensorboard.compat.proto import graph_pb2
+    return graph_pb2.GraphDef
 
-    Looks at the tensor-valued attrs of the graph's nodes and of its function
-    library. A dropped tensor keeps its dtype and shape; its node gets the
-    attr `ELIDED_ATTR` = bytes dropped. Returns the total bytes dropped.
-    """
+
+def elide_node_constants(node: Any, max_bytes: int = MAX_CONSTANT_BYTES) -> int:
+    """Drop the content of every constant tensor of NodeDef `node` larger than
+    `max_bytes`, in place (dtype and shape kept; attr `ELIDED_ATTR` = bytes dropped).
+    Returns the bytes dropped. Works on TensorFlow's and TensorBoard's NodeDef."""
+    if node.ByteSize() <= max_bytes:
+        return 0
     dropped = 0
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes.extend(function.node_def)
-    for node in nodes:
-        large = [value.tensor for value in node.attr.values()
-                 if value.WhichOneof("value") == "tensor" and value.tensor.ByteSize() > max_bytes]
-        for tensor in large:
-            size = tensor.ByteSize()
-            kept = tensor_pb2.TensorProto(dtype=tensor.dtype)
-            kept.tensor_shape.CopyFrom(tensor.tensor_shape)
-            tensor.CopyFrom(kept)
-            node.attr[ELIDED_ATTR].i += size
-            dropped += size
+    large = [value.tensor for value in node.attr.values()
+             if value.WhichOneof("value") == "tensor" and value.tensor.ByteSize() > max_bytes]
+    for tensor in large:
+        size = tensor.ByteSize()
+        dtype, shape = tensor.dtype, type(tensor.tensor_shape)()
+        shape.CopyFrom(tensor.tensor_shape)
+        tensor.Clear()
+        tensor.dtype = dtype
+        tensor.tensor_shape.CopyFrom(shape)
+        node.attr[ELIDED_ATTR].i += size
+        dropped += size
     return dropped
 
 
+def elide_large_constants(graph_def: Any, max_bytes: int = MAX_CONSTANT_BYTES) -> int:
+    """Drop the content of every constant tensor larger than `max_bytes`, in place.
+
+    Looks at the tensor-valued attrs of the graph's nodes and of its function
+    library (`elide_node_constants`). Returns the total bytes dropped.
+    """
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return sum(elide_node_constants(node, max_bytes) for node in nodes)
+
+
 def write_pass_dump(dump_dir: str, index: int, pass_name: str,
-                    graph_def: graph_pb2.GraphDef, summary: dict | None) -> str:
+                    graph_def: Any, summary: dict | None) -> str:
     """Write one pass's graph and summary into `dump_dir`; update the manifest.
 
     Consumes the dump directory (created if missing), the pass index and
@@ -180,24 +204,36 @@ def write_pass_dump(dump_dir: str, index: int, pass_name: str,
     graph equals the previous pass's), ``NNN_<pass>.json`` and an updated
     ``manifest.json``; returns the path of the graph file the pass uses.
     """
+    elide_large_constants(graph_def)
+    return write_serialized_pass(dump_dir, index, pass_name,
+                                 graph_def.SerializeToString(deterministic=True),
+                                 len(graph_def.node), summary)
+
+
+def write_serialized_pass(dump_dir: str, index: int, pass_name: str, data: bytes | None,
+                          num_ops: int, summary: dict | None) -> str:
+    """`write_pass_dump` given the serialized GraphDef `data` (large constants already
+    elided) and its op count; data None says the graph is the previous pass's."""
     os.makedirs(dump_dir, exist_ok=True)
     stem = pass_file_stem(index, pass_name)
-    elide_large_constants(graph_def)
-    data = graph_def.SerializeToString(deterministic=True)
-    digest = hashlib.sha256(data).hexdigest()
     entries = _read_manifest_entries_for_update(dump_dir)
     previous = max((e for e in entries if e.get("index", -1) < index),
                    key=lambda e: e["index"], default=None) if index > 0 else None
-    unchanged = (previous is not None and previous.get("sha256") == digest
-                 and os.path.isfile(os.path.join(dump_dir, str(previous.get("graph")))))
+    kept = previous is not None and \
+        os.path.isfile(os.path.join(dump_dir, str(previous.get("graph"))))
+    if data is None and not kept:
+        raise DumpError(f"pass {index} ({pass_name}) left the graph unchanged, but the "
+                        f"previous pass's graph is not in {dump_dir!r}")
+    digest = previous.get("sha256") if data is None else hashlib.sha256(data).hexdigest()
+    unchanged = kept and previous.get("sha256") == digest
     graph_file = previous["graph"] if unchanged else stem + GRAPH_SUFFIX
     if not unchanged:
         _write_atomic(os.path.join(dump_dir, graph_file), data)
     summary_file = stem + ".json"
-    record = _summary_record(summary, index, pass_name, graph_file, graph_def)
+    record = _summary_record(summary, index, pass_name, graph_file, num_ops)
     _write_atomic(os.path.join(dump_dir, summary_file), _to_json(record).encode("utf-8"))
     entry = {"index": index, "pass": pass_name, "graph": graph_file, "summary": summary_file,
-             "num_ops": len(graph_def.node), "sha256": digest, "unchanged": unchanged}
+             "num_ops": num_ops, "sha256": digest, "unchanged": unchanged}
     _update_manifest(dump_dir, entries, entry)
     return os.path.join(dump_dir, graph_file)
 
@@ -209,11 +245,11 @@ def next_dump_index(dump_dir: str) -> int:
 
 
 def _summary_record(summary: dict | None, index: int, pass_name: str,
-                    graph_file: str, graph_def: graph_pb2.GraphDef) -> dict:
+                    graph_file: str, num_ops: int) -> dict:
     """Return the JSON record of a pass: the summary plus the fixed keys."""
     record = {str(key): value for key, value in (summary or {}).items()}
     record.update({"index": index, "pass": pass_name, "graph": graph_file,
-                   "num_ops": len(graph_def.node)})
+                   "num_ops": num_ops})
     return record
 
 
@@ -293,7 +329,7 @@ def _json_default(value: Any) -> Any:
 # --------------------------------------------------------------------------
 
 
-def load_graph_def(path: str) -> graph_pb2.GraphDef:
+def load_graph_def(path: str) -> Any:
     """Load a GraphDef from a text (``.pbtxt``/``.txt``) or binary (``.pb``) file.
 
     Files with another suffix are tried as binary, then as text. Raises
@@ -315,16 +351,16 @@ def load_graph_def(path: str) -> graph_pb2.GraphDef:
     raise DumpError(f"cannot parse {path!r} as a GraphDef ({'; '.join(errors)})")
 
 
-def _parse_text(data: bytes) -> graph_pb2.GraphDef:
+def _parse_text(data: bytes) -> Any:
     """Text format. Parse protobuf text bytes into a GraphDef."""
-    graph_def = graph_pb2.GraphDef()
+    graph_def = graph_def_class()()
     text_format.Parse(data.decode("utf-8"), graph_def)
     return graph_def
 
 
-def _parse_binary(data: bytes) -> graph_pb2.GraphDef:
+def _parse_binary(data: bytes) -> Any:
     """Binary format. Parse serialized protobuf bytes into a GraphDef."""
-    graph_def = graph_pb2.GraphDef()
+    graph_def = graph_def_class()()
     graph_def.ParseFromString(data)
     return graph_def
 
@@ -468,9 +504,9 @@ def read_dump(dump_dir: str) -> list[PassDump]:
     a missing or corrupt manifest or summary.
     """
     dump_dir = resolve_dump_dir(dump_dir)
-    cache: dict[str, graph_pb2.GraphDef] = {}
+    cache: dict[str, Any] = {}
 
-    def load(path: str) -> graph_pb2.GraphDef:
+    def load(path: str) -> Any:
         if path not in cache:
             cache[path] = load_graph_def(path)
         return cache[path]

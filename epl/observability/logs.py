@@ -14,6 +14,14 @@ instead of split) and checks worth a look. Warnings that users filter with
 Python's `warnings` machinery (`SplitFallbackWarning`) are also issued as
 warnings.
 
+TensorFlow's start-up lines: `quiet_tensorflow_startup()` (EPL's CLIs and the
+examples import TensorFlow inside it) sets ``TF_CPP_MIN_LOG_LEVEL=1`` unless
+the user set it, so TensorFlow's C++ INFO lines are not printed, and drops
+the lines TensorFlow 2.21 prints while it loads, before that variable is read
+(absl's "All log messages before absl::InitializeLog() is called ..." and
+the oneDNN INFO line), as the variable would. Set ``TF_CPP_MIN_LOG_LEVEL=0``
+to see them all.
+
 EPL adds no handler unless asked: with Python's defaults WARNING and above
 reach stderr, INFO does not. The config key ``debug.log_level`` (or
 ``EPL_DEBUG_LOG_LEVEL``) makes `epl.init` attach one stream handler to the
@@ -22,8 +30,12 @@ logging configuration to the application.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
 import sys
+import tempfile
 
 from epl.errors import ConfigError
 
@@ -69,3 +81,54 @@ def configure(level: str) -> None:
         handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
         logger.addHandler(handler)
     logger.setLevel(getattr(logging, name))
+
+
+#: TensorFlow's C++ log lines ("I0000 00:00:1796.. 123 port.cc:153] ...") and levels.
+_TF_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")
+_TF_LEVELS = {"I": 0, "W": 1, "E": 2, "F": 3}
+_ABSL_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+DEFAULT_TF_LOG_LEVEL = "1"
+
+
+def tensorflow_line_hidden(line: str, min_level: int) -> bool:
+    """True for a line TensorFlow prints while loading that `TF_CPP_MIN_LOG_LEVEL`
+    `min_level` hides (its C++ log lines below the level, absl's notice from 1)."""
+    if min_level >= 1 and line.rstrip("\n") == _ABSL_NOTICE:
+        return True
+    match = _TF_LOG_LINE.match(line)
+    return bool(match) and _TF_LEVELS[match.group(1)] < min_level
+
+
+@contextlib.contextmanager
+def quiet_tensorflow_startup():
+    """Import TensorFlow inside this block to keep its start-up lines off stderr.
+
+    Sets ``TF_CPP_MIN_LOG_LEVEL`` to 1 unless the environment sets it; while the
+    block runs (the first import of TensorFlow), stderr (file descriptor 2) goes
+    to a temporary file whose lines are written back afterwards, less those the
+    level hides (`tensorflow_line_hidden`). Does nothing more once TensorFlow is
+    loaded.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", DEFAULT_TF_LOG_LEVEL)
+    try:
+        min_level = int(os.environ["TF_CPP_MIN_LOG_LEVEL"])
+    except ValueError:
+        min_level = 0
+    if "tensorflow" in sys.modules or min_level <= 0:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode("utf-8", "replace")
+                    .splitlines(keepends=True) if not tensorflow_line_hidden(line, min_level)]
+            if kept:
+                os.write(2, "".join(kept).encode("utf-8"))

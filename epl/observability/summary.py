@@ -6,13 +6,20 @@ the pass timings) and the parallel graph itself, and produces a
 `ParallelSummary`; `format_summary` turns it into the lines `epl.parallel`
 logs at INFO through the "epl" logger:
 
-    parallel graph ready in 1.23 s (worker 0 of 1, 4 local CPU devices)
-      4 replicas x 1 stage, 1 micro-batch per step, batch shares even
+    parallel graph ready in 1.23 s (2 workers x 4 local CPU devices)
+      global batch per step: 512 (2 workers x 4 replicas x 64)
+      4 replicas x 1 stage on each worker, 1 micro-batch per step, batch shares even
       replica 0: CPU:0 | replica 1: CPU:1 | ...
       split groups: none
       collectives per step: 1 (1.1 MiB): CollectiveReduceV2 1 (1.1 MiB)
       collectives when fetched (merged tensors): 1 (4 B): CollectiveReduceV2 1 (4 B)
       passes: replicate 0.61 s, gradient_comm 0.20 s, ...
+
+The numbers are the job's: the global batch is workers x replicas x
+micro-batches x the script's batch (`JobBatch`, EPL's batch contract; with
+`io.batch_mode: "global"` the script's batch is each worker's). With several
+workers only worker 0 logs the summary (`prints_here`), unless
+`debug.log_all_ranks` is set, as Horovod scripts print on rank 0.
 
 Collectives per step are the collective ops (by type, `epl.ir.collectives`)
 that the training ops need (ancestors of the view's train ops); those only
@@ -28,6 +35,7 @@ import tensorflow as tf
 
 from epl.ir.collectives import is_collective, payload_bytes
 from epl.ir.graph_view import ancestors
+from epl.observability.dump_format import rank_dump_dir
 
 
 @dataclasses.dataclass
@@ -51,6 +59,63 @@ class CollectiveTotals:
         entry[1] = None if entry[1] is None or size is None else entry[1] + size
 
 
+@dataclasses.dataclass(frozen=True)
+class JobBatch:
+    """The batch of one training step of the job, by EPL's batch contract.
+
+    batch: the script's batch (the static first dimension of its batch inputs; None
+    when dynamic): one (replica, micro-batch) unit's under io.batch_mode "replica",
+    the worker's under "global". Every worker is taken to feed a batch of that size.
+    """
+
+    workers: int
+    replicas: int
+    micro_batches: int
+    batch_mode: str
+    batch: int | None
+
+    @property
+    def units_per_worker(self) -> int:
+        """Batches of the script's size one step of a worker draws."""
+        return self.replicas * self.micro_batches if self.batch_mode == "replica" else 1
+
+    @property
+    def per_worker(self) -> int | None:
+        """Examples one step of a worker trains on (None when the batch is dynamic)."""
+        return None if self.batch is None else self.batch * self.units_per_worker
+
+    @property
+    def global_batch(self) -> int | None:
+        """Examples one step of the job trains on (None when the batch is dynamic)."""
+        return None if self.batch is None else self.workers * self.per_worker
+
+    def describe(self) -> str:
+        """"256 (2 workers x 2 replicas x 64)": the global batch and its factors (a factor
+        of one worker or one micro-batch left out); "global" mode says how it is cut."""
+        batch = "the script's batch" if self.batch is None else str(self.batch)
+        total = "?" if self.batch is None else str(self.global_batch)
+        workers = [_plural(self.workers, "worker")] if self.workers > 1 else []
+        units = [_plural(self.replicas, "replica")] + (
+            [_plural(self.micro_batches, "micro-batch")] if self.micro_batches > 1 else [])
+        if self.batch_mode == "replica":
+            return f"{total} ({' x '.join(workers + units + [batch])})"
+        return (f"{total} ({' x '.join(workers + [batch])}, each cut into "
+                f"{' x '.join(units)}; io.batch_mode 'global')")
+
+
+def job_batch(result, config) -> JobBatch:
+    """The JobBatch of a ParallelGraph `result` parallelized under `config`."""
+    return JobBatch(result.cluster.num_workers, result.plan.num_replicas,
+                    int(config.get("pipeline.num_micro_batch")), str(config.get("io.batch_mode")),
+                    result.view.global_batch_size)
+
+
+def prints_here(cluster, config) -> bool:
+    """True on the worker that prints the job's summary and progress: worker 0, or
+    every worker with debug.log_all_ranks."""
+    return cluster.worker_rank == 0 or bool(config.get("debug.log_all_ranks"))
+
+
 @dataclasses.dataclass
 class ParallelSummary:
     """What parallelize built on this worker (see the module doc)."""
@@ -70,6 +135,8 @@ class ParallelSummary:
     when_fetched: CollectiveTotals
     rewrite_s: float
     pass_s: dict
+    batch: JobBatch | None = None
+    dump_dir: str = ""
 
 
 def _short_device(device: str) -> str:
@@ -100,10 +167,16 @@ def summarize(graph: tf.Graph, plan, cluster, view, config, timings: dict, rewri
                 when_fetched.add(op)
     micro = int(config.get("pipeline.num_micro_batch"))
     schedule = str(config.get("pipeline.strategy")) if len(stages) > 1 and micro > 1 else ""
+    batch = JobBatch(cluster.num_workers, plan.num_replicas, micro,
+                     str(config.get("io.batch_mode")), view.global_batch_size)
+    dump_dir = str(config.get("debug.dump_dir") or "")
+    if dump_dir:
+        dump_dir = rank_dump_dir(dump_dir, cluster.worker_rank, cluster.num_workers)
     return ParallelSummary(
         cluster.worker_rank, cluster.num_workers, cluster.device_type, cluster.num_local_devices,
         plan.num_replicas, stages, micro, schedule, tuple(plan.replica_weights),
-        replica_devices, split_groups, per_step, when_fetched, rewrite_s, dict(timings))
+        replica_devices, split_groups, per_step, when_fetched, rewrite_s, dict(timings),
+        batch, dump_dir)
 
 
 def _bytes(num: int | None) -> str:
@@ -136,19 +209,24 @@ def format_summary(summary: ParallelSummary) -> list[str]:
     s = summary
     shares = "even" if len(set(round(w, 12) for w in s.replica_weights)) <= 1 else \
         ", ".join(f"{w:.3f}" for w in s.replica_weights)
-    lines = [f"parallel graph ready in {s.rewrite_s:.2f} s (worker {s.worker_rank} of "
-             f"{s.num_workers}, {s.num_local_devices} local {s.device_type} device"
-             f"{'' if s.num_local_devices == 1 else 's'})",
-             f"  {_plural(s.replicas, 'replica')} x {_plural(len(s.stages), 'stage')}"
-             f"{' (' + ', '.join(s.stages) + ')' if len(s.stages) > 1 else ''}, "
-             f"{_plural(s.micro_batches, 'micro-batch')} per step"
-             f"{', schedule ' + s.schedule if s.schedule else ''}, batch shares {shares}"]
+    devices = f"{s.num_local_devices} local {s.device_type} device" \
+        f"{'' if s.num_local_devices == 1 else 's'}"
+    where = f"{s.num_workers} workers x {devices}" if s.num_workers > 1 else f"1 worker, {devices}"
+    each = " on each worker" if s.num_workers > 1 else ""
+    lines = [f"parallel graph ready in {s.rewrite_s:.2f} s ({where})"]
+    if s.batch is not None:
+        lines.append(f"  global batch per step: {s.batch.describe()}")
+    lines.append(f"  {_plural(s.replicas, 'replica')} x {_plural(len(s.stages), 'stage')}"
+                 f"{' (' + ', '.join(s.stages) + ')' if len(s.stages) > 1 else ''}{each}, "
+                 f"{_plural(s.micro_batches, 'micro-batch')} per step"
+                 f"{', schedule ' + s.schedule if s.schedule else ''}, batch shares {shares}")
     if s.replica_devices and any(s.replica_devices):
         lines.append("  " + " | ".join(f"replica {r}: {', '.join(devices)}"
                                        for r, devices in enumerate(s.replica_devices)))
     groups = "; ".join(f"{name} over {', '.join(devices)}" for name, devices in s.split_groups)
     lines.append(f"  split groups: {groups or 'none'}")
-    lines.append(f"  collectives per step: {_totals(s.per_step)}")
+    lines.append(f"  collectives per step{' (each worker)' if s.num_workers > 1 else ''}: "
+                 f"{_totals(s.per_step)}")
     if s.when_fetched.count:
         lines.append(f"  collectives when fetched (merged tensors): {_totals(s.when_fetched)}")
     slowest = sorted(s.pass_s.items(), key=lambda item: -item[1])
@@ -156,4 +234,6 @@ def format_summary(summary: ParallelSummary) -> list[str]:
     rest = sum(sec for name, sec in slowest) - sum(sec for _, sec in shown)
     lines.append("  passes: " + ", ".join([f"{name} {sec:.2f} s" for name, sec in shown]
                                           + [f"others {rest:.2f} s"]))
+    if s.dump_dir:
+        lines.append(f"  dump of every pass: {s.dump_dir} (epl-dump {s.dump_dir})")
     return lines

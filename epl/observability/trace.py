@@ -78,17 +78,21 @@ class StepTracer:
         self.graph = graph
         self.runs = 0
         self.pending: int | None = None
+        self.last_run_traced = False   # the latest run ran with FULL_TRACE (ProgressHook
+        #                                leaves it out of samples/s)
         self.written: list[str] = []
         self._labels: dict[str, str] | None = None
 
     def before_run(self, trains: bool, options, run_metadata):
         """Return (options, run_metadata) for the next run, tracing it if it is chosen."""
         self.pending = None
+        self.last_run_traced = False
         if not trains:
             return options, run_metadata
         self.runs += 1
         if self.runs not in self.steps:
             return options, run_metadata
+        self.last_run_traced = True
         traced = tf.compat.v1.RunOptions()
         if options is not None:
             traced.CopyFrom(options)

@@ -44,7 +44,8 @@ from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.attrs import set_string_attrs
 from epl.ir.clone import created_complete
-from epl.observability.dump_format import next_dump_index, rank_dump_dir, write_pass_dump
+from epl.observability.dump_format import next_dump_index, rank_dump_dir
+from epl.observability.dump_writer import PassDumpWriter
 
 T = TypeVar("T")
 
@@ -206,6 +207,7 @@ class DumpInstrument(Instrument):
         self.dump_dir = dump_dir
         self.continues = continues
         self._next: int | None = None
+        self._writer = PassDumpWriter()   # serializes only what changed since the last pass
 
     def before(self, graph_pass, graph, ctx):
         if graph_pass is None and self._next is None:   # the graph the passes receive
@@ -226,8 +228,7 @@ class DumpInstrument(Instrument):
             rank_dump_dir(self.dump_dir, cluster.worker_rank, cluster.num_workers)
 
     def _write(self, name, graph, summary, ctx):
-        write_pass_dump(self._directory(ctx), self._next, name,
-                        graph.as_graph_def(add_shapes=True), summary)
+        self._writer.write(self._directory(ctx), self._next, name, graph, summary)
         self._next += 1
 
 

@@ -160,7 +160,7 @@ def pass_options(config: Any) -> dict[str, Any]:
     loss_scale = _loss_scale(config)
     reduce_method = config.get("communication.gradients_reduce_method")
     zero_level = config.get("zero.level")
-    num_stages = config.get("pipeline.num_stages")
+    num_stages = config.get("pipeline.num_stages") or 1   # None: unset (EPL's default)
     groups = config.get("optimizer.num_apply_group")
     checkpoint_kind = config.get("gradient_checkpoint.type")
     return {

@@ -36,8 +36,10 @@ Counting conventions
 - Ops that only alias or describe tensors (Const, Identity, Reshape, NoOp,
   Placeholder, variable ops, Shape, control flow plumbing) cost nothing.
   Data movement (Transpose, Concat, Slice, Cast, collectives, ...) costs
-  bytes but no FLOPs.  Any other op type counts its bytes only and is marked
-  not modelled (`OpCost.exact` False; `GroupCost.unmodelled_op_types`).
+  bytes but no FLOPs, and so does the tf.data input pipeline (`is_input_op`:
+  reading a batch is the device profile's input terms).  Any other op type
+  counts its bytes only and is marked not modelled (`OpCost.exact` False;
+  `GroupCost.unmodelled_op_types`).
 - Bytes read are the sizes of the op's data inputs (resource handles are
   zero bytes); bytes written the sizes of its outputs; dtype sizes from
   tf.DType.size.
@@ -259,6 +261,18 @@ NO_COST_OPS = frozenset({
 
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable",
                           "TemporaryVariable"})
+
+#: The input pipeline: tf.data's datasets and iterators (TensorSliceDataset,
+#: BatchDatasetV2, OneShotIterator, IteratorGetNext, ...; by op type). They
+#: count no FLOPs: what reading a batch costs is the device profile's
+#: `input_read_s` and `input_example_s`.
+_INPUT_OP_RE = re.compile(r"^(?:\w*Dataset\w*|\w*Iterator\w*|"
+                          r"Optional(?:GetValue|HasValue|FromValue|None))$")
+
+
+def is_input_op(op_type: str) -> bool:
+    """Whether `op_type` belongs to the tf.data input pipeline."""
+    return bool(_INPUT_OP_RE.match(op_type))
 
 #: Ops whose output is (a view of) their first input: same buffer.
 ALIAS_OPS = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze",
@@ -531,13 +545,13 @@ def op_cost(op: tf.Operation, unknown_dim: int | None = None) -> OpCost:
     # Ops with no outputs (resource updates such as AssignAddVariableOp) write in place.
     flops = formula(op, s) if formula and op.outputs else 0.0
     return OpCost(flops, _input_bytes(op, s), out, out,
-                  s.exact and formula is not None)
+                  s.exact and (formula is not None or is_input_op(op.type)))
 
 
 def is_modelled(op_type: str) -> bool:
     """Whether the cost model has a formula for ops of type `op_type`."""
     return (op_type in NO_COST_OPS or op_type in GATHER_OPS
-            or op_type in _FLOPS
+            or op_type in _FLOPS or is_input_op(op_type)
             or bool(_APPLY_RE.match(op_type)
                     and _APPLY_RE.match(op_type).group(1) in APPLY_OPS))
 

@@ -150,7 +150,7 @@ def _model_line(plan: Any) -> str:
     split = f", {m.split_units} experts per split layer" if m.split_units \
         else ""
     size = size_text(m.parameter_bytes)
-    return (f"Model: {m.name}: {len(m.layers)} layer(s), {count} parameters "
+    return (f"Model: {m.name}: {_layers_text(m)}, {count} parameters "
             f"({size}){split}; "
             f"{_flops_text(m.flops_per_example)} per example (forward + "
             f"backward); optimizer {plan.optimizer}; global batch "
@@ -158,6 +158,17 @@ def _model_line(plan: Any) -> str:
             f"{plan.options.compute_dtype or m.compute_dtype}"
             + ("; parameters and optimizer state offloaded to host memory"
                if plan.options.offload else ""))
+
+
+def _layers_text(m: ModelSpec, shown: int = 6) -> str:
+    """"3 layers (hidden1, hidden2, logits) in 1 TaskGraph", or "14 layer(s)"."""
+    if not m.model_layers:
+        return f"{len(m.layers)} layer(s)"
+    names = list(m.model_layers)
+    listed = ", ".join(names[:shown]) + (f", ... (+{len(names) - shown} more)"
+                                         if len(names) > shown else "")
+    return (f"{len(names)} layer{'' if len(names) == 1 else 's'} ({listed}) in "
+            f"{len(m.layers)} TaskGraph{'' if len(m.layers) == 1 else 's'}")
 
 
 def _alternative_line(plan: Any, alt: Alternative) -> str:
@@ -283,6 +294,7 @@ def plan_dict(plan: Any) -> dict:
         alternatives.append(entry)
     return {
         "model": {"name": m.name, "layers": len(m.layers),
+                  "model_layers": list(m.model_layers),
                   "parameters": m.num_parameters,
                   "parameter_bytes": m.parameter_bytes,
                   "flops_per_example": m.flops_per_example,

@@ -164,18 +164,50 @@ def model_from_graph(graph: Any, view: Any = None,
                    else _graph_layer(key, stage, costs, memory)
                    for stage, key in enumerate(order))
     split_units = _split_dimension(split_names, getattr(view, "split_records", ()))
-    exact = all(c.exact for c in costs.values[1].values())
-    unknown = _unknown_op_types(costs.values[1].values())
+    # the figures come from the step's phases; initializers, savers (cm.OTHER) do not count
+    costed = [c for (_, phase), c in costs.values[1].items() if phase != cm.OTHER]
+    exact = all(c.exact for c in costed)
+    unknown = _unknown_op_types(costed)
     notes = [] if exact else ["some shapes or op types were not known to "
                               "the cost model; figures are estimates"]
     if not _tagged_phases(graph) and view is None:
         notes.append("the graph has no EPL phase tags: activation memory "
                      "is not estimated (build it under epl.init)")
     dtype = normalize_dtype(amp_dtype) if amp_dtype else "float32"
+    trained = graph.get_collection("trainable_variables") or variables or []
     return ModelSpec(name=name, layers=layers, compute_dtype=dtype,
                      batch_size=batch, exact=exact, notes=tuple(notes),
                      optimizer=infer_optimizer(graph), split_units=split_units,
-                     unknown_op_types=unknown)
+                     unknown_op_types=unknown,
+                     model_layers=model_layer_names([_op_name(v) for v in trained]))
+
+
+def _op_name(variable: Any) -> str:
+    """The op name of a tf.Variable or variable op."""
+    return variable.op.name if hasattr(variable, "op") else variable.name
+
+
+def model_layer_names(variable_names: list[str]) -> tuple[str, ...]:
+    """The model's layers as its variables' scopes name them, in order of their first
+    variable: the first scope below the scopes all variables share ("hidden1" for
+    "hidden1/kernel"; a variable in no scope of its own is a layer by itself; when
+    every variable is in the same innermost scope, that scope is the one layer).
+
+    For reports only (the planner places TaskGraphs): a name is the label a layer
+    built with tf.compat.v1.layers, Keras or variable_scope gives its variables."""
+    parts = [name.split("/") for name in variable_names]
+    if not parts:
+        return ()
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    if shared and all(len(p) == shared + 1 for p in parts):
+        return (parts[0][shared - 1],)   # one layer: every variable sits in its scope
+    names: list[str] = []
+    for path in parts:
+        if path[shared] not in names:
+            names.append(path[shared])
+    return tuple(names)
 
 
 def _unknown_op_types(groups: Any) -> tuple[tuple[str, int], ...]:

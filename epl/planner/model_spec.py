@@ -91,6 +91,10 @@ class ModelSpec:
             graph's apply ops); plan_cluster uses it when given none.
         unknown_op_types: (op type, op count) of the op types the cost
             model has no formula for, most frequent first (a graph's).
+        model_layers: the model's own layers, by name, in order (a graph's:
+            the scopes of its trained variables, `graph_model`), for reports;
+            `layers` are what the planner places (one per TaskGraph of a
+            graph). Empty when the layers are the model's (the built-ins).
     """
 
     name: str
@@ -103,9 +107,11 @@ class ModelSpec:
     notes: tuple[str, ...] = ()
     optimizer: str | None = None
     unknown_op_types: tuple[tuple[str, int], ...] = ()
+    model_layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "model_layers", tuple(self.model_layers))
         if not self.layers:
             raise ConfigError(f"model {self.name!r} has no layers")
         if any(layer.split_parameter_bytes or layer.split_flops_per_example

@@ -73,7 +73,7 @@ import functools
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
@@ -934,8 +934,10 @@ def _replica_sync(bench: "_Bench", tf: Any, devices: int, latency: float,
     return sync, min(max(concurrency, 1e-3), float(devices))
 
 
-def calibrate_cpu_profile() -> DeviceProfile:
+def calibrate_cpu_profile(progress: Callable[[str], None] | None = None) -> DeviceProfile:
     """Measure this machine's "CPU" profile with TensorFlow (~30 s on 2 cores).
+
+    progress(line), when given, is told as each round starts and before the fit.
 
     Needs TensorFlow (imported here, so that planning on the GPU table
     never loads it).  The rates are one executor's alone, measured on
@@ -988,7 +990,11 @@ def calibrate_cpu_profile() -> DeviceProfile:
     as_run = _Bench(tf, as_built=False)
     steps = [_reference_step(tf, step) for step in REFERENCE_STEPS]
     rounds, syncs = [], []
+    say = progress or (lambda line: None)
     for round_ in range(_CALIBRATION_ROUNDS):
+        say(f"calibrating the CPU profile: round {round_ + 1} of {_CALIBRATION_ROUNDS} "
+            f"({len(steps)} reference training steps"
+            f"{', memory, collectives and input reads' if round_ == 0 else ''}, replica sync)")
         rounds.append(as_run.times(steps, one, runs=_STEP_RUNS))
         if round_ == 0:
             bandwidth = _measure_copy_bandwidth()
@@ -1000,6 +1006,7 @@ def calibrate_cpu_profile() -> DeviceProfile:
             read, per_example = _input_costs(bench, tf)
         syncs.append(_replica_sync(bench, tf, REPLICA_SYNC_DEVICES, latency,
                                    link, bandwidth, read))
+    say("calibrating the CPU profile: fitting the step costs")
     costs = _step_costs([_step_terms(tf, step) for step in REFERENCE_STEPS],
                         [_median(times) for times in zip(*rounds)])
     fp32 = costs.flop_rate / DEFAULT_EFFICIENCY

@@ -20,6 +20,7 @@ them).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import tensorflow as tf
@@ -209,7 +210,34 @@ def local_cluster(config) -> Cluster:
     gpus = _gpu_count()
     if gpus:
         return Cluster("GPU", gpus, rank, size)
-    return Cluster("CPU", int(config.get("cluster.virtual_devices")), rank, size)
+    devices = int(config.get("cluster.virtual_devices"))
+    warn_if_more_virtual_devices_than_cores(devices)
+    return Cluster("CPU", devices, rank, size)
+
+
+_WARNED_DEVICE_COUNTS: set = set()
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (os.sched_getaffinity where it exists)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return os.cpu_count() or 1
+
+
+def warn_if_more_virtual_devices_than_cores(devices: int) -> None:
+    """Warn (the "epl" logger, once per count and process) when `devices` virtual CPU
+    devices exceed the cores this worker may use: they share the cores, so each runs
+    slower and the step does not get faster with more of them."""
+    cores = usable_cores()
+    if devices <= cores or devices in _WARNED_DEVICE_COUNTS:
+        return
+    _WARNED_DEVICE_COUNTS.add(devices)
+    logging.getLogger(__name__).warning(
+        "cluster.virtual_devices is %d, more than the %d CPU core%s this worker may use: the "
+        "devices share the cores, so a step is no faster than with %d (the numbers are the "
+        "same)", devices, cores, "" if cores == 1 else "s", cores)
 
 
 def _split_hosts(hosts: str, what: str) -> list[str]:

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl.errors import ClusterError
-from epl.runtime import worker_status
+from epl.runtime import config_check, worker_status
 from epl.runtime.horovod_comm import collective_label
 from epl.runtime.horovod_comm import horovod
 
@@ -206,10 +206,11 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float,
     return result["value"]
 
 
-def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collectives_agree"
-              ) -> list[bytes]:
+def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collectives_agree",
+              what: str = "graph fingerprints") -> list[bytes]:
     """All-gather `payload` (bytes of any length) from every worker; index = rank.
-    waiting_for: what the others did not reach, for the timeout's message."""
+    waiting_for: what the others did not reach, for the timeout's message; what:
+    what is exchanged, for the message of a failed exchange."""
 
     hvd = horovod()
     graph = tf.Graph()
@@ -233,8 +234,8 @@ def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collec
     except tf.errors.OpError as err:
         first = err.message.strip().splitlines()[0] if err.message else type(err).__name__
         raise ClusterError(
-            "collective check failed on worker %d of %d while exchanging graph fingerprints "
-            "with Horovod: %s" % (hvd.rank(), hvd.size(), first)) from err
+            "collective check failed on worker %d of %d while exchanging %s with Horovod: %s"
+            % (hvd.rank(), hvd.size(), what, first)) from err
     sess.close()
     blob = bytes(np.asarray(blob, dtype=np.uint8))
     out, start = [], 0
@@ -244,45 +245,69 @@ def _exchange(payload: bytes, timeout_s: float, waiting_for: str = "check_collec
     return out
 
 
-def exchange_bytes(payload: bytes, timeout_s: float) -> list[bytes]:
-    """All-gather `payload` (bytes) from every worker, outside any training graph."""
-    return _exchange(payload, timeout_s)
+def exchange_bytes(payload: bytes, timeout_s: float,
+                   waiting_for: str = "check_collectives_agree") -> list[bytes]:
+    """All-gather `payload` (bytes) from every worker, outside any training graph;
+    `waiting_for` names the exchange in the error when some worker never reaches it."""
+    return _exchange(payload, timeout_s, waiting_for)
 
 
-def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """Check that every worker's `graph` has the same cross-worker collectives.
+def check_collectives_agree(graph: tf.Graph, timeout_s: float = 300.0,
+                            config=None) -> list[dict[str, Any]]:
+    """Check that every worker runs the same EPL version and config, and that every
+    worker's `graph` has the same cross-worker collectives.
 
     Call it once on every worker, after the graph is final (after
     parallelization) and before the first training step. It is itself a
     collective: every worker must call it. With one worker it only returns
     the fingerprint. Returns the fingerprint when all workers agree; raises
-    `ClusterError` on every worker otherwise (the same message everywhere), or
-    when the exchange does not finish within `timeout_s` seconds.
+    `ClusterError` on every worker otherwise (the same message everywhere:
+    the EPL versions, then the config keys that differ (epl.runtime.config_check),
+    then the first collective), or when the exchange does not finish within
+    `timeout_s` seconds. The exchange also gives every worker the others'
+    status servers (epl.runtime.worker_status). config: the graph's Config
+    (default: the active one).
     """
+    from epl.env import get_config
 
     fingerprint = collective_fingerprint(graph)
     hvd = horovod()
     if hvd.size() == 1:
         return fingerprint
-    address = worker_status.STATUS.start(hvd.rank(), hvd.size())
-    payload = json.dumps({"collectives": fingerprint, "status_address": list(address)},
-                         sort_keys=True, separators=(",", ":")).encode("utf-8")
+    worker_status.STATUS.start(hvd.rank(), hvd.size())
+    mine = {"format": config_check.RECORD_FORMAT, "epl_version": config_check.epl_version(),
+            "config": config_check.compared_config(config or get_config()),
+            "status": worker_status.STATUS.identity(), "collectives": fingerprint}
+    payload = json.dumps(mine, sort_keys=True, separators=(",", ":")).encode("utf-8")
     blobs = _exchange(payload, timeout_s)
     if len(blobs) != hvd.size():
         raise ClusterError("collective check got %d fingerprints from %d workers"
                            % (len(blobs), hvd.size()))
-    try:
-        records = [json.loads(blob.decode("utf-8")) for blob in blobs]
-        fingerprints = [record["collectives"] for record in records]
-        worker_status.STATUS.set_peers({rank: tuple(record["status_address"])
-                                        for rank, record in enumerate(records)})
-    except (ValueError, KeyError, TypeError) as err:
-        raise ClusterError("collective check got a fingerprint it cannot read (%s); "
-                           "do all workers run the same EPL version?" % err) from err
-    message = first_difference(fingerprints)
+    records = [_read_record(blob, rank, mine["epl_version"]) for rank, blob in enumerate(blobs)]
+    message = config_check.difference(records) or first_difference(
+        [record["collectives"] for record in records])
     if message is not None:
         raise ClusterError(message)
+    worker_status.STATUS.set_peers({rank: record["status"] for rank, record in enumerate(records)})
     return fingerprint
+
+
+def _read_record(blob: bytes, rank: int, version: str) -> dict[str, Any]:
+    """Worker `rank`'s record of the collective check, or ClusterError saying that it
+    comes from another EPL (a record this one cannot read)."""
+    try:
+        record = json.loads(blob.decode("utf-8"))
+        if record.get("format") == config_check.RECORD_FORMAT:
+            for key in ("epl_version", "config", "status", "collectives"):
+                record[key]  # noqa: B018  (present)
+            return record
+        other = record.get("epl_version") if isinstance(record, dict) else None
+    except (ValueError, AttributeError, KeyError, TypeError):
+        other = None
+    raise ClusterError(
+        "worker %d sent a collective-check record that EPL %s cannot read: it runs another "
+        "EPL version (%s); install the same EPL on every host" % (
+            rank, version, "EPL %s" % other if other else "one older than 0.1.0's record format"))
 
 
 def run_difference(records: list[dict[str, Any]], labels: dict[str, str]) -> str | None:
@@ -339,7 +364,7 @@ def check_run_agrees(fetches: list[str], collectives: list[tuple[str, str]],
     payload = json.dumps({"fetches": list(fetches), "collectives": [n for n, _ in collectives]},
                          separators=(",", ":")).encode("utf-8")
     blobs = _exchange(payload, timeout_s, "the same session.run (the first run of these "
-                      "fetches: %s)" % ", ".join(fetches))
+                      "fetches: %s)" % ", ".join(fetches), "the fetches of a session.run")
     records = [json.loads(b.decode("utf-8")) for b in blobs]
     labels = dict(collectives)
     for record in records:

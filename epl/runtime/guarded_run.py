@@ -22,6 +22,9 @@ every run of a multi-worker graph in:
 from __future__ import annotations
 
 import gc
+import json
+import os
+import sys
 import threading
 from typing import Any, Callable
 
@@ -31,8 +34,12 @@ from epl.errors import ClusterError
 from epl.runtime import worker_status
 from epl.runtime.collective_check import call_with_timeout, check_run_agrees
 from epl.runtime.horovod_comm import horovod
+from epl.runtime.verdict import Verdict, explain
 
 _SHUTDOWN_GRACE_S = 5.0
+# After the verdict, the exit must not wait for a collective that never completes:
+# how long the process may take to exit on its own before it is ended (os._exit).
+_EXIT_GRACE_S = 0.5
 
 
 def guarded_run(run: Callable[[], Any], *, timeout_s: float,
@@ -60,56 +67,82 @@ def guarded_run(run: Callable[[], Any], *, timeout_s: float,
     try:
         return call_with_timeout(run, timeout_s, lambda: _stop(hvd, status, labels, timeout_s))
     except tf.errors.OpError as err:
-        message = _explain_shutdown(hvd, status, labels)
-        if message is None:
+        verdict = _explain_shutdown(hvd, status, labels)
+        if verdict is None:
             raise
-        status.fail(message)
+        status.fail(verdict.message, skip=_unreachable(verdict))
+        _announce(verdict)
         _quick_exit_ready()
-        raise ClusterError(message) from err
+        raise ClusterError(verdict.message) from err
     finally:
         status.end_run()
 
 
-def _records(hvd, status) -> dict[int, dict | None]:
+def _records(hvd, status) -> dict[int, dict]:
     records = status.query_peers()
     records[hvd.rank()] = status.snapshot()
     return records
 
 
 def _stop(hvd, status, labels: dict[str, str], timeout_s: float) -> str:
-    """The run timed out: explain, tell the others, shut Horovod down; return the message."""
-    message = worker_status.explain(hvd.rank(), hvd.size(), _records(hvd, status), labels,
-                                    timeout_s)
-    status.fail(message)
-    _shutdown(hvd)
+    """The run timed out: explain, tell the others, shut Horovod down; return the message.
+
+    The run is left behind, stuck in its collective (Horovod's ops cannot be
+    cancelled): closing its session and Horovod's own shutdown at exit would
+    wait for it (for as long as Gloo's timeout when a peer is stopped), so the
+    session close skips it and the process exits at once after the script's
+    error (`_exit_promptly`)."""
+    verdict = explain(hvd.rank(), hvd.size(), _records(hvd, status), labels, timeout_s)
+    silent = _unreachable(verdict)
+    status.fail(verdict.message, skip=silent)
+    _announce(verdict)
+    status.abandoned = True
+    _shutdown(hvd, 0.2 if silent else _SHUTDOWN_GRACE_S)
     _quick_exit_ready()
-    return message
+    _exit_promptly()
+    return verdict.message
 
 
-def _explain_shutdown(hvd, status, labels: dict[str, str]) -> str | None:
+def _unreachable(verdict: Verdict) -> set[int]:
+    """The culprits that cannot hear anything (stopped, frozen, gone)."""
+    return {rank for rank, how, _ in verdict.culprits if how in ("silent", "gone")}
+
+
+def _announce(verdict: Verdict) -> None:
+    """Under epl-launch (EPL_LAUNCH_EVENTS), tell the launcher which workers are at
+    fault, so that it restarts because of them (and --min-np drops their slots)."""
+    if os.environ.get("EPL_LAUNCH_EVENTS") and verdict.culprits:
+        event = {"event": "culprits", "message": verdict.message,
+                 "culprits": [{"rank": rank, "how": how, "text": text}
+                              for rank, how, text in verdict.culprits]}
+        print("epl-launch-event: " + json.dumps(event), file=sys.stderr, flush=True)
+
+
+def _explain_shutdown(hvd, status, labels: dict[str, str]) -> Verdict | None:
     """The run failed with a TensorFlow error: the explanation if a peer left or
     stopped the job (Horovod was shut down under this run), else None."""
     records = _records(hvd, status)
+    departed = ("exited", "failed", "gone")
     peers = {rank: record for rank, record in records.items() if rank != hvd.rank()}
-    if not any(record is None or record.get("phase") in ("exited", "failed")
-               for record in peers.values()):
+    if not any(record.get("phase") in departed for record in peers.values()):
         return None  # this worker's own error (a bad feed, ...): TensorFlow's message stands
     mine = dict(records[hvd.rank()])
     mine["phase"] = "running"  # it was, until Horovod went away
     records[hvd.rank()] = mine
     # Only departures count here: the peers still inside their step are waiting for us.
     records = {rank: record for rank, record in records.items()
-               if rank == hvd.rank() or record is None
-               or record.get("phase") in ("exited", "failed")}
-    return worker_status.explain(hvd.rank(), hvd.size(), records, labels, None)
+               if rank == hvd.rank() or record.get("phase") in departed}
+    return explain(hvd.rank(), hvd.size(), records, labels, None)
 
 
-def _shutdown(hvd) -> None:
-    """Shut Horovod down (bounded): every pending collective fails at once, here and
-    on the other workers, so nothing waits for the one that will never complete."""
+def _shutdown(hvd, wait_s: float) -> None:
+    """Shut Horovod down (waiting at most `wait_s`): every pending collective fails at
+    once, here and on the other workers, so nothing waits for the one that will never
+    complete. (With a stopped peer, Horovod's background loop is blocked in a Gloo
+    receive and its shutdown waits for Gloo's timeout: it goes on in the background.)"""
     thread = threading.Thread(target=hvd.shutdown, name="epl-horovod-shutdown", daemon=True)
     thread.start()
-    thread.join(_SHUTDOWN_GRACE_S)
+    thread.join(wait_s)
 
 
 def _quick_exit_ready() -> None:
@@ -118,3 +151,21 @@ def _quick_exit_ready() -> None:
     (a second or more); frozen objects are skipped (`gc.freeze`). A script that
     catches the error and goes on only keeps these objects for good."""
     gc.freeze()
+
+
+def _exit_promptly() -> None:
+    """At exit, end the process `_EXIT_GRACE_S` after the atexit handlers start, if
+    they are still running then: Horovod's own shutdown handler waits for the
+    abandoned collective. (The script's error has been printed by then.)"""
+    import atexit
+
+    def arm():
+        def end():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        timer = threading.Timer(_EXIT_GRACE_S, end)
+        timer.daemon = True
+        timer.start()
+
+    atexit.register(arm)

@@ -53,14 +53,18 @@ import argparse
 import collections
 import dataclasses
 import glob
+import itertools
 import json
 import os
+import socket
 import sys
+import time
 from typing import Any, Iterable, Sequence
 
-import tensorflow as tf
 from google.protobuf import text_format
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
+from tensorboard.compat.proto import attr_value_pb2, event_pb2, graph_pb2, node_def_pb2
+from tensorboard.compat.tensorflow_stub import dtypes
+from tensorboard.util import tensor_util
 
 from epl.observability.dump_format import (DumpError, PassDump, load_graph_def, rank_dirs, read_dump,
                              resolve_dump_dir, select_pass)
@@ -74,6 +78,10 @@ PHASE_ORDER = ("forward", "backward", "apply", "other")
 DEFAULT_LIMIT = 20
 DEFAULT_MAX_DOT_OPS = 1000
 COMMANDS = ("show", "diff", "dot", "tensorboard")
+_EVENT_FILES = itertools.count()   # event files this process wrote (unique names)
+#: Attributes `diff` does not compare: shapes (compared apart) and TensorFlow's
+#: bookkeeping of manual control dependencies (epl.observability.dump_writer).
+IGNORED_ATTRS = frozenset({"_output_shapes", "_has_manual_control_dependencies"})
 
 Shape = list  # list of dims, None for an unknown dim
 
@@ -263,7 +271,7 @@ class _GraphIndex:
         if node is None or node.op not in ("Const", "HostConst"):
             return None
         try:
-            return tf.make_ndarray(node.attr["value"].tensor)
+            return tensor_util.make_ndarray(node.attr["value"].tensor)
         except (TypeError, ValueError):
             return None
 
@@ -286,21 +294,22 @@ class _GraphIndex:
         return _output_shape(producer, index)
 
 
-def _dtype_of(node: node_def_pb2.NodeDef) -> tf.dtypes.DType | None:
-    """Return the collective's element type from attr "T", or None."""
+def _dtype_of(node: node_def_pb2.NodeDef) -> dtypes.DType | None:
+    """Return the collective's element type from attr "T", or None (TensorBoard's
+    copy of TensorFlow's dtypes: no TensorFlow needed)."""
     if "T" not in node.attr or node.attr["T"].WhichOneof("value") != "type":
         return None
     try:
-        return tf.dtypes.as_dtype(node.attr["T"].type)
+        return dtypes.as_dtype(node.attr["T"].type)
     except TypeError:
         return None
 
 
-def _num_bytes(shape: Shape | None, dtype: tf.dtypes.DType | None) -> int | None:
+def _num_bytes(shape: Shape | None, dtype: dtypes.DType | None) -> int | None:
     """Return the byte size of a fully static shape of `dtype`, else None."""
     if shape is None or dtype is None or any(dim is None for dim in shape):
         return None
-    if dtype in (tf.string, tf.resource, tf.variant):
+    if dtype.name in ("string", "resource", "variant"):
         return None
     count = 1
     for dim in shape:
@@ -618,7 +627,7 @@ def node_changes(before: node_def_pb2.NodeDef, after: node_def_pb2.NodeDef) -> l
         changes.append(f"device {device_of(before)} -> {device_of(after)}")
     if list(before.input) != list(after.input):
         changes.extend(input_changes(list(before.input), list(after.input)))
-    keys = sorted((set(before.attr) | set(after.attr)) - {"_output_shapes"})
+    keys = sorted((set(before.attr) | set(after.attr)) - IGNORED_ATTRS)
     for key in keys:
         old = before.attr[key] if key in before.attr else None
         new = after.attr[key] if key in after.attr else None
@@ -804,25 +813,20 @@ def run_dot(args: argparse.Namespace) -> int:
 
 
 def write_tensorboard(graph_def: graph_pb2.GraphDef, logdir: str) -> list[str]:
-    """Write `graph_def` to a TensorBoard event file in `logdir`.
-
-    The graph is imported into a fresh tf.Graph (which validates it); a
-    graph TensorFlow cannot import (for example Horovod ops on a machine
-    without Horovod) is written as the raw GraphDef instead. Returns the
-    event files the writer created.
-    """
+    """Write `graph_def` to a new TensorBoard event file in `logdir` (TensorBoard's
+    record writer on a plain file: no TensorFlow needed). Returns [the file's path]."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
     os.makedirs(logdir, exist_ok=True)
-    existing = set(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
-    with tf.Graph().as_default() as graph:
-        try:
-            tf.import_graph_def(graph_def, name="")
-            to_write: Any = graph
-        except (ValueError, KeyError, TypeError, tf.errors.OpError):
-            to_write = graph_def
-        writer = tf.compat.v1.summary.FileWriter(logdir)
-        writer.add_graph(to_write)
-        writer.close()
-    return sorted(set(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))) - existing)
+    now = time.time()
+    path = os.path.join(logdir, "events.out.tfevents.%010d.%s.%d.%d.epl-dump"
+                        % (now, socket.gethostname(), os.getpid(), next(_EVENT_FILES)))
+    with open(path, "wb") as handle:
+        records = RecordWriter(handle)
+        records.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2")
+                      .SerializeToString())
+        records.write(event_pb2.Event(wall_time=now, graph_def=graph_def.SerializeToString())
+                      .SerializeToString())
+    return [path]
 
 
 def run_tensorboard(args: argparse.Namespace) -> int:

@@ -3,22 +3,26 @@
 ::
 
     epl-launch -np N [-H host1:slots,host2:slots] [--virtual-devices K]
-               [--timeout S] [--restarts R [--min-np M]] [horovodrun options]
-               [--] command args...
+               [--timeout S] [--restarts R [--min-np M]] [--output-dir DIR]
+               [horovodrun options] [--] command args...
 
 EPL's own form, ``epl-launch --num_workers N --gpu_per_worker K script``, is
 rewritten into these options first (`epl/tools/launch_flags.py`).
 
-It wraps ``horovodrun --gloo`` (the one next to this Python, else the one on
-PATH) and adds what EPL's process model needs:
+It wraps ``horovodrun --gloo`` and adds what EPL's process model needs.
+horovodrun runs in a helper process that stays up between restarts
+(epl/tools/launch_runner.py: horovodrun checks its build by importing
+TensorFlow, 4 s, once per process), through horovodrun's own entry point.
 
 - ``-H`` defaults to ``localhost:N``; before anything starts, ``-np`` is
   checked against the total slots of ``-H`` (a host without ``:slots`` has
   one), and a request for more workers than slots exits with code 2.
 - Options epl-launch does not know are horovodrun's (``--timeline-filename
-  FILE``, ``--verbose``, ...): they are checked against horovodrun's own
-  parser and passed on to it. horovodrun's elastic ``--min-np`` is replaced by
-  epl-launch's (below).
+  FILE``, ``--verbose``, ...): how many values each takes is read from
+  ``horovodrun --help`` (its public surface), and they are passed on to it; an
+  option its help does not list is passed on too, for horovodrun to accept or
+  reject (its value must then be written ``--option=value``). horovodrun's
+  elastic ``--min-np`` is replaced by epl-launch's (below).
 - A bare ``python`` (or ``python3``) command runs with the interpreter
   epl-launch was installed with, so the README's commands work without
   activating the virtual environment. On a job whose hosts are all this
@@ -37,14 +41,20 @@ PATH) and adds what EPL's process model needs:
   The run as a whole is not bounded.
 - Output is streamed line by line, with horovodrun's per-worker prefix
   (``[rank]<stdout>:`` / ``[rank]<stderr>:``); workers run with
-  ``PYTHONUNBUFFERED=1``.
+  ``PYTHONUNBUFFERED=1``. ``--output-dir DIR`` also keeps every rank's full
+  output, unprefixed, in ``DIR/rank.<r>/stdout`` and ``DIR/rank.<r>/stderr``
+  (horovodrun's ``--output-filename`` layout), appended to across restarts,
+  and horovodrun's and epl-launch's own lines in ``DIR/launcher.log``.
 - When a worker fails, the exit code is the failing worker's (1 when
   horovodrun had to terminate it while it was failing) and the last line names
-  the failing worker, its exit code and its error: its last Python exception,
-  the signal that killed it, or the last line it wrote
-  (``SystemExit('message')`` prints only the message)::
+  the failing worker and its error (epl/tools/launch_output.py): a worker EPL
+  found at fault (it stalled, was stopped, or left: reported by the workers
+  that waited for it), else its last Python exception, the signal that
+  killed it, or the last line it wrote (``SystemExit('message')`` prints only
+  the message); the exit code only when the worker chose it::
 
       epl-launch: worker 1 failed (exit 1): RuntimeError: boom
+      epl-launch: worker 1 failed (stalled, reported by worker 0): epl.errors.ClusterError: ...
 
 - ``--restarts R``: when the job fails (a worker died or raised), stop the
   others (horovodrun does) and start the job again, up to R times. A script
@@ -55,23 +65,24 @@ PATH) and adds what EPL's process model needs:
   once a worker restored a checkpoint, the global step it resumed from::
 
       epl-launch: worker 1 failed (exit 137): killed by SIGKILL
-      epl-launch: restart 1 of 3: starting 2 workers again (-H localhost:2)
-      epl-launch: restart 1: resumed from global step 10 (worker 0 restored /ckpt/model.ckpt-10)
+      epl-launch: restart 1 of 3 after worker 1 failed (killed by SIGKILL): starting 2 workers again (-H localhost:2)
+      epl-launch: restart 1: resumed from global step 10 (worker 0 restored /ckpt/model.ckpt-10 in 0.05 s)
 
-- ``--min-np M`` (with ``--restarts``; default: ``-np``): a failed worker's
-  slot is given up (one slot fewer on its host, as Horovod Elastic drops a
-  failed host) and the job restarts with the workers left, as long as there
-  are at least M; without it the job restarts at its full size. With fewer
-  workers the global batch is smaller (each worker feeds its own batch).
+- ``--min-np M`` (with ``--restarts``; default: ``-np``): the failed worker's
+  slot (the slot of every worker EPL found at fault) is given up (one slot
+  fewer on its host, as Horovod Elastic drops a failed host) and the job
+  restarts with the workers left, as long as there are at least M; without it
+  the job restarts at its full size. With fewer workers the global batch is
+  smaller (each worker feeds its own batch).
 
-Bad input (no command, -np < 1, a malformed -H, more workers than slots, an
-option neither epl-launch nor horovodrun knows, a missing command or script,
-no horovodrun) prints ``epl-launch: <problem>`` on stderr and exits 2.
+Bad input (no command, -np < 1, a malformed -H, more workers than slots, a
+missing command or script, no horovodrun) prints ``epl-launch: <problem>`` on
+stderr and exits 2; an option horovodrun refuses ends the job with
+horovodrun's own error (exit 2).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -83,29 +94,10 @@ import threading
 from typing import Mapping, Sequence
 
 from epl.tools.launch_flags import EplFlagError, translate_epl_flags
+from epl.tools.launch_output import EVENT, PROG, OutputWatcher, RankFiles
+from epl.tools.launch_runner import HorovodRunner
 
-PROG = "epl-launch"
 _TIMEOUT_KEY = "communication.collective_timeout_s"
-
-# horovodrun's worker prefix, optionally after a timestamp: "[1]<stderr>:text".
-_PREFIXED = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)$")
-# horovodrun's own reports about worker exits.
-_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
-_FIRST_NAME = re.compile(r"^Process name: (\d+)\s*$")
-_FIRST_CODE = re.compile(r"^Exit code: (-?\d+)\s*$")
-# Horovod's own ERROR log lines (printed on stdout): "[2026-01-01 12:00:00.0: E file.cc:1] ..."
-_HOROVOD_ERROR = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:.]+: E ")
-# What a worker prints when it fails only because a peer failed first.
-_SECONDARY = re.compile(r"Horovod has been shut down|Connection reset by peer|"
-                        r"Connection closed by peer")
-# TensorFlow's / absl's log lines ("I0000 00:00:17.5 file.cc:1] ...", "WARNING: All log ...").
-_LOG_LINE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+|WARNING: All log messages|"
-                       r"WARNING:tensorflow:|INFO:tensorflow:|Terminated$)")
-# A line that looks like an error: a Python exception line, or a fatal message.
-_ERROR_LINE = re.compile(
-    r"(^\s*[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b)|Error|Exception|"
-    r"\berror\b|FATAL|Fatal|Aborted|Segmentation fault|core dumped|Killed")
-
 
 class LaunchError(Exception):
     """Bad input to epl-launch (exit code 2)."""
@@ -165,9 +157,10 @@ def find_horovodrun() -> str:
 
 # epl-launch's own options and how many values each takes.
 _OWN_OPTIONS = {"-np": 1, "--num-proc": 1, "-H": 1, "--hosts": 1, "--virtual-devices": 1,
-                "--timeout": 1, "--restarts": 1, "--min-np": 1, "-h": 0, "--help": 0}
+                "--timeout": 1, "--restarts": 1, "--min-np": 1, "--output-dir": 1, "-h": 0,
+                "--help": 0}
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
-_EVENT = "epl-launch-event: "  # what workers print for the launcher (EPL_LAUNCH_EVENTS=1)
+CHECK_BUILD = ("--check-build", "-cb")   # `epl-launch --check-build [--json]`: epl-env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG, description="Run a command on N EPL workers through horovodrun --gloo. "
         "Options not listed here are horovodrun's and are passed on to it.",
         usage="%(prog)s -np N [-H hosts] [--virtual-devices K] [--timeout S] [--restarts R "
-              "[--min-np M]] [horovodrun options] [--] command args...")
+              "[--min-np M]] [--output-dir DIR] [horovodrun options] [--] command args...")
     parser.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
                         help="number of workers")
     parser.add_argument("-H", "--hosts", dest="hosts", default=None,
@@ -191,42 +184,55 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-np", type=int, default=None,
                         help="with --restarts: go on without failed workers, down to M "
                              "(default: restart at -np)")
+    parser.add_argument("--output-dir", default=None,
+                        help="keep every rank's full output in DIR/rank.<r>/stdout and "
+                             "DIR/rank.<r>/stderr (and horovodrun's own lines in "
+                             "DIR/launcher.log), appended to across restarts")
     return parser
 
 
-def horovodrun_options() -> dict[str, int]:
-    """horovodrun's options and how many values each takes (from its own parser)."""
-    try:
-        from horovod.runner import launch
-    except ImportError as err:
-        raise LaunchError("Horovod is not importable here (%s); run `make setup` (it builds "
-                          "Horovod with scripts/build_horovod.sh)" % err) from None
+_HELP_OPTION = re.compile(r"^\s{1,8}(-[^\s,]+(?: [^\s,]+)*(?:, -[^\s,]+(?: [^\s,]+)*)*)"
+                          r"(?:\s{2,}|$)")
+_HOROVOD_OPTIONS: dict[str, int] = {}
 
-    class _Captured(Exception):
-        pass
 
-    captured = {}
-    real = argparse.ArgumentParser.parse_args
-
-    def capture(self, *args, **kwargs):
-        captured["parser"] = self
-        raise _Captured
-
-    argparse.ArgumentParser.parse_args = capture
-    try:
-        launch.parse_args()
-    except _Captured:
-        pass
-    finally:
-        argparse.ArgumentParser.parse_args = real
-    parser = captured.get("parser")
-    if parser is None:  # pragma: no cover - a Horovod whose runner changed
-        return {}
-    counts = {}
-    for option, action in parser._option_string_actions.items():
-        nargs = action.nargs
-        counts[option] = 1 if nargs is None else nargs if isinstance(nargs, int) else -1
+def parse_help_options(text: str) -> dict[str, int]:
+    """The options an argparse ``--help`` text lists, and how many values each takes
+    (-1: a variable number). ``  -np NUM_PROC, --num-proc NUM_PROC  help`` gives
+    {"-np": 1, "--num-proc": 1}; ``  --verbose`` {"--verbose": 0}."""
+    counts: dict[str, int] = {}
+    in_usage = False
+    for line in text.splitlines():
+        if line.startswith("usage:"):
+            in_usage = True
+            continue
+        if in_usage:
+            if line.strip():
+                continue
+            in_usage = False
+        match = _HELP_OPTION.match(line)
+        if not match:
+            continue
+        for spec in match.group(1).split(", "):
+            words = spec.split(" ")
+            values = words[1:]
+            counts[words[0]] = -1 if any("..." in v or v.startswith("[") for v in values) \
+                else len(values)
     return counts
+
+
+def horovodrun_options() -> dict[str, int]:
+    """horovodrun's options and how many values each takes, from ``horovodrun --help``
+    (read once per process)."""
+    if not _HOROVOD_OPTIONS:
+        try:
+            result = subprocess.run([find_horovodrun(), "--help"], capture_output=True,
+                                    text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise LaunchError("cannot run horovodrun --help to read its options (%s)" % err) \
+                from None
+        _HOROVOD_OPTIONS.update(parse_help_options(result.stdout))
+    return dict(_HOROVOD_OPTIONS)
 
 
 def split_argv(argv: Sequence[str], horovod: Mapping[str, int] | None = None
@@ -236,6 +242,8 @@ def split_argv(argv: Sequence[str], horovod: Mapping[str, int] | None = None
     The command starts after ``--`` or at the first word that is not an option
     or an option's value. horovod: horovodrun's options and their value counts
     (default: `horovodrun_options()`, read only when an option is not epl-launch's).
+    An option horovodrun does not list is passed on alone (with its value when
+    written ``--option=value``), for horovodrun to accept or reject.
     """
     own, passed, argv = [], [], list(argv)
     i = 0
@@ -253,10 +261,7 @@ def split_argv(argv: Sequence[str], horovod: Mapping[str, int] | None = None
             continue
         if horovod is None:
             horovod = horovodrun_options()
-        count = horovod.get(option)
-        if count is None:
-            raise LaunchError("%s is neither an epl-launch option nor a horovodrun option (see "
-                              "epl-launch --help and horovodrun --help)" % option)
+        count = horovod.get(option, 0)
         if "=" in word:
             count = 0
         elif count < 0:
@@ -320,6 +325,10 @@ def build(args: argparse.Namespace, environ: Mapping[str, str] | None = None
                           % args.virtual_devices)
     if args.timeout is not None and not args.timeout > 0:
         raise LaunchError("--timeout %g: give a positive number of seconds" % args.timeout)
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir is not None and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise LaunchError("--output-dir %s is a file; give a directory (it is created if "
+                          "missing)" % output_dir)
     restarts = getattr(args, "restarts", 0) or 0
     min_np = getattr(args, "min_np", None)
     if restarts < 0:
@@ -360,181 +369,49 @@ def parse_command_line(argv: Sequence[str], horovod: Mapping[str, int] | None = 
     return args
 
 
-class OutputWatcher:
-    """Reads horovodrun's output: each worker's last error line and who failed first."""
-
-    def __init__(self):
-        self.last_error: dict[int, str] = {}      # last error-looking line per rank
-        self.last_exception: dict[int, str] = {}  # last Python exception line per rank
-        self._in_traceback: set[int] = set()
-        self.secondary: set[int] = set()  # ranks that only failed because a peer did
-        self.exits: list[tuple[int, int]] = []  # (rank, code) in the order reported
-        self.first_failed: tuple[int | None, int | None] = (None, None)
-        self._pending_name: int | None = None
-        self.last_line: dict[int, str] = {}  # last line each rank wrote on stderr (not a log line)
-        self.events: list[dict] = []  # what workers reported to the launcher (EPL_LAUNCH_EVENTS)
-
-    def feed(self, line: str) -> None:
-        """Take one output line (without the newline)."""
-        match = _PREFIXED.search(line)
-        if match:
-            rank, stream, raw = int(match.group(1)), match.group(2), match.group(3)
-            text = raw.strip()
-            if text.startswith(_EVENT):
-                self._event(rank, text[len(_EVENT):])
-                return
-            if _SECONDARY.search(text):
-                self.secondary.add(rank)
-            if stream == "stdout":
-                if _HOROVOD_ERROR.match(text):  # Horovod logs to stdout
-                    self.last_error[rank] = text
-                return
-            if text and not _LOG_LINE.match(text) and raw[:1] not in (" ", "\t"):
-                self.last_line[rank] = text
-            if text.startswith("Traceback (most recent call last)"):
-                self._in_traceback.add(rank)
-                return
-            if rank in self._in_traceback and raw[:1] not in (" ", "\t") and text:
-                # The first unindented line after a traceback is the exception.
-                self._in_traceback.discard(rank)
-                self.last_exception[rank] = text
-                return
-            if rank not in self._in_traceback and text and _ERROR_LINE.search(text):
-                self.last_error[rank] = text
-            return
-        match = _EXIT.match(line)
-        if match:
-            self.exits.append((int(match.group(1)), int(match.group(2))))
-            return
-        match = _FIRST_NAME.match(line)
-        if match:
-            self._pending_name = int(match.group(1))
-            return
-        match = _FIRST_CODE.match(line)
-        if match and self._pending_name is not None:
-            self.first_failed = (self._pending_name, int(match.group(1)))
-            self._pending_name = None
-
-    def _event(self, rank: int, payload: str) -> None:
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return
-        if isinstance(event, dict):
-            event["rank"] = rank
-            self.events.append(event)
-
-    def error_of(self, rank: int) -> str | None:
-        """The error of `rank`: its last Python exception, else its last error-looking line,
-        else the last line it wrote on stderr (``SystemExit('message')`` prints the message)."""
-        return self.last_exception.get(rank) or self.last_error.get(rank) or \
-            self.last_line.get(rank)
-
-    def failure(self) -> tuple[int | None, int | None]:
-        """(rank, exit code) of the worker that failed first, as far as the output tells.
-
-        Workers that only failed because a peer did (Horovod shut down under
-        them, or horovodrun terminated them: exit 143) come last.
-        """
-        failed = [(rank, code) for rank, code in self.exits if code != 0]  # in exit order
-        for rank, code in failed:  # the first failure that is not a consequence of another
-            if rank not in self.secondary and code != 143:
-                return rank, code
-        # A worker that raised but was terminated while exiting (143) because a
-        # peer, failing in consequence, exited first.
-        codes = dict(failed)
-        if self.first_failed[0] is not None:
-            codes.setdefault(self.first_failed[0], self.first_failed[1])
-        # ... or that exited with SystemExit('message') (no traceback: only its last line).
-        for tier in (self.last_exception, self.last_error, self.last_line):
-            for rank in sorted(tier, key=lambda r: (r not in codes, r)):
-                if rank not in self.secondary:
-                    return rank, codes.get(rank)
-        if failed:
-            return failed[0]
-        if self.first_failed[0] is not None:
-            return self.first_failed
-        if self.last_exception or self.last_error:
-            return min(set(self.last_exception) | set(self.last_error)), None
-        return None, None
-
-    def cause(self, rank: int | None, code: int | None) -> str:
-        """Why worker `rank` failed, in words: the signal that killed it, else its
-        exit code and error."""
-        if _signal_name(code) and code != 143:
-            return "killed by %s" % _signal_name(code)
-        error = self.error_of(rank) if rank is not None else None
-        return "exit %s%s" % ("?" if code is None else code, ": " + error if error else "")
-
-    def summary(self, returncode: int) -> str:
-        """The final line for a failed run."""
-        rank, code = self.failure()
-        if rank is None:
-            return "%s: horovodrun failed (exit %d) and no worker reported an error" % (
-                PROG, returncode)
-        if _signal_name(code) and code != 143:  # SIGKILL, SIGSEGV, ...: no error line of its own
-            return "%s: worker %d failed (exit %d): killed by %s" % (PROG, rank, code,
-                                                                   _signal_name(code))
-        error = self.error_of(rank)
-        if error is None:
-            others = {r: self.error_of(r) for r in set(self.last_error) | set(self.last_exception)
-                      if r != rank}
-            error = ("no error line in its output" if not others else
-                     "no error line in its output (worker %d: %s)" % next(iter(sorted(others.items()))))
-        return "%s: worker %d failed (exit %s): %s" % (
-            PROG, rank, "?" if code is None else code, error)
-
-
-def run(cmd: Sequence[str], env: dict[str, str], out=None, on_event=None
+def run(cmd: Sequence[str], env: dict[str, str], out=None, on_event=None,
+        runner: HorovodRunner | None = None, files: RankFiles | None = None
         ) -> tuple[int, OutputWatcher]:
-    """Run horovodrun, stream its output to `out`; return (exit code for epl-launch,
-    the watcher that read the output). on_event(event): called for each event a
-    worker reports (EPL_LAUNCH_EVENTS), as it arrives."""
+    """Run horovodrun's command line `cmd` (in `runner`, a helper kept between
+    attempts; a new one if None), stream its output to `out` (and `files`); return
+    (exit code for epl-launch, the watcher that read the output). on_event(event):
+    called for each event a worker reports (EPL_LAUNCH_EVENTS), as it arrives."""
     out = out or sys.stdout
     watcher = OutputWatcher()
-    proc = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, bufsize=1, text=True, errors="replace")
+    own = runner is None
+    runner = runner or HorovodRunner()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in runner.run(cmd, env):
             seen = len(watcher.events)
             watcher.feed(line.rstrip("\r\n"))
-            if _EVENT in line:
+            if files is not None:
+                files.write(line)
+            if EVENT in line:
                 for event in watcher.events[seen:]:
                     if on_event is not None:
                         on_event(event)
                 continue  # for the launcher, not the user
             out.write(line)
             out.flush()
-        returncode = proc.wait()
     except BaseException:  # Ctrl-C or a kill of this process: take horovodrun down with us
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        runner.interrupt()
         raise
+    finally:
+        if own:
+            runner.close()
+    returncode = runner.returncode if runner.returncode is not None else 1
     if returncode == 0 and not any(code != 0 for _, code in watcher.exits):
         return 0, watcher  # error-looking lines of a successful job are not failures
     rank, code = watcher.failure()
-    print(watcher.summary(returncode), file=out, flush=True)
-    if code == 143:  # horovodrun terminated it while it was failing: its own code is lost
-        return 1, watcher
-    if code is not None and 0 < code < 256:
-        return code, watcher
-    return (returncode if 0 < returncode < 256 else 1), watcher
-
-
-def _signal_name(code: int | None) -> str | None:
-    """The signal an exit code stands for (137 -> "SIGKILL", -9 -> "SIGKILL"), or None."""
-    if code is None:
-        return None
-    number = code - 128 if code > 128 else -code if code < 0 else None
-    try:
-        return signal.Signals(number).name if number else None
-    except ValueError:
-        return None
+    summary = watcher.summary(returncode)
+    print(summary, file=out, flush=True)
+    if files is not None:
+        files.write(summary)
+    if watcher.found_at_fault(rank) or code is None or not 0 < code < 256 or code == 143:
+        # found at fault while another worker exited, or horovodrun terminated it
+        # while it was failing: its own code is lost
+        return (returncode if 0 < returncode < 256 else 1), watcher
+    return code, watcher
 
 
 def _rank_host(hosts: list[tuple[str, int]], rank: int) -> int:
@@ -549,8 +426,8 @@ def _rank_host(hosts: list[tuple[str, int]], rank: int) -> int:
 class Restarter:
     """The restart loop of ``--restarts``: the hosts and size of the next attempt, and its log."""
 
-    def __init__(self, args: argparse.Namespace, out=None):
-        self.args, self.out = args, out or sys.stdout
+    def __init__(self, args: argparse.Namespace, out=None, files: RankFiles | None = None):
+        self.args, self.out, self.files = args, out or sys.stdout, files
         self.restarts = args.restarts or 0
         self.min_np = args.np if args.min_np is None else args.min_np
         self.hosts = parse_hosts(args.hosts or "localhost:%d" % args.np)
@@ -558,15 +435,20 @@ class Restarter:
         self._announced = False
 
     def _print(self, text: str) -> None:
-        print("%s: %s" % (PROG, text), file=self.out, flush=True)
+        line = "%s: %s" % (PROG, text)
+        print(line, file=self.out, flush=True)
+        if self.files is not None:
+            self.files.write(line)
 
     def on_event(self, event: dict) -> None:
         """Log the step a restarted job resumed from (the first worker that restored)."""
         if self.attempt and not self._announced and event.get("event") == "restored":
             self._announced = True
-            self._print("restart %d: resumed from global step %s (worker %s restored %s)" % (
+            seconds = event.get("seconds")
+            self._print("restart %d: resumed from global step %s (worker %s restored %s%s)" % (
                 self.attempt, event.get("global_step", "?"), event.get("rank", "?"),
-                event.get("checkpoint") or "a checkpoint"))
+                event.get("checkpoint") or "a checkpoint",
+                " in %.2f s" % seconds if isinstance(seconds, (int, float)) else ""))
 
     def next_attempt(self, watcher: OutputWatcher) -> bool:
         """After a failed attempt: set up the next one and log it; False if none is left."""
@@ -581,9 +463,12 @@ class Restarter:
         cause = watcher.cause(rank, code)
         np_ = self.args.np
         if self.min_np < self.args.np and rank is not None:
-            index = _rank_host(self.hosts, rank)
-            name, slots = self.hosts[index]
-            self.hosts[index] = (name, slots - 1)
+            # every worker found at fault gives up its slot (the highest ranks first,
+            # so that each rank still names its host)
+            for failed in sorted(set(watcher.culprits) | {rank}, reverse=True):
+                index = _rank_host(self.hosts, failed)
+                name, slots = self.hosts[index]
+                self.hosts[index] = (name, slots - 1)
             self.hosts = [(n, c) for n, c in self.hosts if c > 0]
             np_ = min(self.args.np, sum(c for _, c in self.hosts))
             if np_ < self.min_np:
@@ -597,13 +482,19 @@ class Restarter:
         self._print("restart %d of %d after worker %s failed (%s): starting %d worker%s again "
                     "(-H %s)" % (self.attempt, self.restarts, "?" if rank is None else rank, cause,
                                  np_, "" if np_ == 1 else "s", self.args.hosts))
+        if self.files is not None:
+            self.files.new_attempt("%s: restart %d" % (PROG, self.attempt))
         return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `epl-launch`; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in CHECK_BUILD:   # horovodrun's --check-build: EPL's own report
+        from epl.tools.env_report import main as env_report
+        return env_report(argv[1:])
     try:  # EPL's --num_workers/--gpu_per_worker, rewritten into this launcher's options
-        argv = translate_epl_flags(list(sys.argv[1:] if argv is None else argv))
+        argv = translate_epl_flags(argv)
     except EplFlagError as err:
         print("%s: %s" % (PROG, err), file=sys.stderr, flush=True)
         return 2
@@ -620,10 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         # A SIGTERM to epl-launch takes horovodrun (and with it the workers) down too.
         previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    restarter = Restarter(args)
+    files = RankFiles(args.output_dir, args.np) if args.output_dir else None
+    restarter = Restarter(args, files=files)
+    runner = HorovodRunner()
     try:
         while True:
-            code, watcher = run(cmd, env, on_event=restarter.on_event)
+            code, watcher = run(cmd, env, on_event=restarter.on_event, runner=runner,
+                                files=files)
             if code == 0:
                 return 0
             if not restarter.next_attempt(watcher):
@@ -633,6 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("%s: interrupted; workers stopped" % PROG, file=sys.stderr, flush=True)
         return 130
     finally:
+        runner.close()
+        if files is not None:
+            files.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

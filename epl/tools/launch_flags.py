@@ -46,16 +46,16 @@ REFUSED = {
     "--machine_rank": "start every worker from one epl-launch (horovodrun starts the workers "
                       "on every host of -H)",
     "--machine_list": "give the hosts with -H host1:slots,host2:slots",
-    "--task_label": "epl-launch streams every worker's output with a rank prefix; redirect it "
-                    "to a file of your choice",
-    "--log_dir": "epl-launch streams every worker's output with a rank prefix; redirect it to "
-                 "a file of your choice",
+    "--task_label": "epl-launch streams every worker's output with a rank prefix; "
+                    "--output-dir DIR keeps each rank's output in files of its own",
+    "--log_dir": "use --output-dir DIR: epl-launch keeps each rank's output in "
+                 "DIR/rank.<r>/stdout and stderr",
     "--debug": "run the script directly (python script.py) to debug one worker",
 }
 
 #: epl-launch's own options and how many values each takes (the scan skips them).
 OWN_OPTIONS = {"-np": 1, "--num-proc": 1, "-H": 1, "--hosts": 1, "--virtual-devices": 1,
-               "--timeout": 1, "--restarts": 1, "--min-np": 1}
+               "--timeout": 1, "--restarts": 1, "--min-np": 1, "--output-dir": 1}
 
 
 class EplFlagError(ValueError):

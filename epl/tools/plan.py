@@ -25,11 +25,18 @@ The model comes from
   parameter bytes), not built as TensorFlow graphs.
 - ``--graph FILE``: a saved GraphDef (.pbtxt or .pb), e.g. a pass dump of
   ``debug.dump_dir``; one layer per TaskGraph (``_epl_taskgraph``).
-- ``--script FILE``: a training script, run in this process until it
-  creates its first session (tf.compat.v1.Session, MonitoredTrainingSession,
-  or an explicit epl.parallelize()); EPL's rewrite never runs.  The graph it
-  built is planned, with its epl.init config's ``cluster.device_profiles``
-  as profile overrides.  Arguments after ``--`` go to the script.
+- ``--script FILE``: a training script, run in this process until EPL
+  would parallelize its graph (`epl.capture`: its first session,
+  MonitoredTrainingSession or epl.parallelize()); EPL's rewrite never runs,
+  and the script's own output goes to stderr.  The graph it built is
+  planned, with its epl.init config's ``cluster.device_profiles`` as profile
+  overrides, at the global batch of the run it predicts: the script on the
+  cluster, one worker per host, by EPL's batch contract (the script's batch
+  is one replica's micro-batch: workers x replicas x micro-batches x batch;
+  with ``io.batch_mode: "global"`` it is each worker's); a "Batch:" line
+  says how it is made up (``--global-batch`` overrides it).  The model line
+  names the model's layers (its variables' scopes) and the TaskGraphs the
+  planner places.  Arguments after ``--`` go to the script.
 
 It prints the model, the cluster and each host group's network, the chosen
 plan with a table of one row per group of identical devices doing the same
@@ -42,14 +49,18 @@ listed alternative that fits and is within 3% of the fastest one's step
 time (a simplicity margin: ZeRO or checkpointing must be more than 3%
 faster to be chosen, the cost model is not more precise than that); a
 faster alternative inside the margin says so.  Op types the cost model does
-not know (a graph's) are named with their counts.  ``--json`` prints the
+not know (a graph's training step's; tf.data's input ops are known) are
+named with their counts.  ``--json`` prints the
 same as JSON (`ClusterPlan.as_dict`).
 
 Identical hosts (same profile, device count and network) are planned as
 one group, so a cluster of 100,000 hosts plans in seconds.  ``--model``
 never imports TensorFlow; ``--graph`` and ``--script`` do.
 
-``--calibrate`` measures this machine's "CPU" profile with TensorFlow's
+``--calibrate`` (its progress on stderr, a line per round; a warning when
+the host is loaded, its load average above half its cores, and for each
+fitted value far outside the range an idle 2-core host fits,
+`EXPECTED_RANGES`) measures this machine's "CPU" profile with TensorFlow's
 micro-benchmark (`epl.planner.profiles.calibrate_cpu_profile`: a training step's
 fixed, per-op, costly-kernel, FLOP and optimizer costs fitted on reference
 training steps, memory bandwidth, the local collectives' latency and
@@ -67,14 +78,15 @@ no graph) print "epl-plan: error: ..." and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import runpy
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from epl.errors import EPLError
+from epl.observability.logs import quiet_tensorflow_startup
 from epl.planner.planner import LayerSpec, ModelSpec
 
 GiB = float(1 << 30)
@@ -280,124 +292,11 @@ def default_batch_per_device(name: str) -> int:
 
 
 # --------------------------------------------------------------------------
-# Capturing a training script's graph.
+# Errors.
 # --------------------------------------------------------------------------
 
 class PlanInputError(EPLError):
     """A problem with epl-plan's inputs (file, script, model name)."""
-
-
-class StopScript(BaseException):
-    """Raised inside a training script when it starts a session.
-
-    A BaseException so that the script's own `except Exception` blocks do
-    not swallow it.
-    """
-
-    def __init__(self, graph: Any) -> None:
-        super().__init__("epl-plan stops the script at its first session")
-        self.graph = graph
-
-
-def _stopper(kind: str):
-    """A replacement for a session constructor that stops the script."""
-    def stop(self, *args: Any, **kwargs: Any) -> None:
-        import tensorflow as tf
-        self._session = None  # so BaseSession.__del__ stays quiet
-        graph = kwargs.get("graph")
-        if graph is None and kind == "session" and len(args) >= 2:
-            graph = args[1]
-        raise StopScript(graph or tf.compat.v1.get_default_graph())
-    return stop
-
-
-def _stop_parallelize(graph: Any = None, *args: Any, **kwargs: Any) -> None:
-    """Replacement for epl.parallelize: stop with the graph."""
-    import tensorflow as tf
-    raise StopScript(graph or tf.compat.v1.get_default_graph())
-
-
-def capture_script_graph(path: str, argv: Sequence[str] = ()
-                         ) -> tuple[Any, Any]:
-    """Run the training script `path` until it creates a session.
-
-    EPL is initialised with defaults first (so the optimizer hooks tag the
-    graph even when the script never calls epl.init); the script's own
-    epl.init replaces that config.  Session constructors and
-    epl.parallelize are patched to raise StopScript, so EPL's rewrite never
-    runs.  The script runs inside a fresh default graph with eager
-    execution left as it is (tf.compat.v1.disable_eager_execution is a
-    no-op meanwhile); sys.argv, the EPL config and the patches are restored
-    afterwards.
-
-    Returns:
-        (graph, config): the graph the script built and the EPL config it
-        set.
-
-    Raises:
-        PlanInputError: the file does not exist, the script failed, or it
-            built no graph.
-    """
-    if not os.path.isfile(path):
-        raise PlanInputError(f"training script {path!r} does not exist")
-    import tensorflow as tf
-
-    import epl
-    from epl import api, env, parallel
-    from tensorflow.python.training import monitored_session
-    saved_config = env._ENV["config"]
-    saved_argv = sys.argv
-    original_init = api.init
-
-    def reinit(config=None):
-        env.reset()
-        return original_init(config)
-
-    patches = [
-        (tf.compat.v1.Session, "__init__", _stopper("session")),
-        (tf.compat.v1.InteractiveSession, "__init__", _stopper("session")),
-        (monitored_session._MonitoredSession, "__init__",
-         _stopper("monitored")),
-        (tf.compat.v1, "disable_eager_execution", lambda *a, **k: None),
-        (epl, "parallelize", _stop_parallelize), (api, "parallelize", _stop_parallelize),
-        (parallel, "parallelize", _stop_parallelize),
-        (epl, "init", reinit), (api, "init", reinit),
-    ]
-    saved = [(obj, attr, obj.__dict__.get(attr, getattr(obj, attr)))
-             for obj, attr, _ in patches]
-    graph, config = tf.Graph(), None
-    try:
-        env.reset()
-        original_init()
-        for obj, attr, value in patches:
-            setattr(obj, attr, value)
-        sys.argv = [path, *argv]
-        with graph.as_default():
-            try:
-                runpy.run_path(path, run_name="__main__")
-            except StopScript as stop:
-                graph = stop.graph
-            except SystemExit as exit_:
-                if exit_.code not in (None, 0):
-                    raise PlanInputError(
-                        f"training script {path!r} exited with "
-                        f"{exit_.code!r} before creating a session") from None
-            except EPLError:
-                raise
-            except Exception as err:  # the script's own failure
-                raise PlanInputError(
-                    f"training script {path!r} failed before creating a "
-                    f"session: {type(err).__name__}: {err}") from err
-        config = env._ENV["config"]
-    finally:
-        for obj, attr, value in saved:
-            setattr(obj, attr, value)
-        sys.argv = saved_argv
-        env._ENV["config"] = saved_config
-    if not graph.get_operations():
-        raise PlanInputError(f"training script {path!r} built no graph "
-                             f"before its first session")
-    return graph, config
 
 
 # --------------------------------------------------------------------------
@@ -503,34 +402,88 @@ def _options(args: argparse.Namespace, config: Any):
 
 
 def _model(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
-    """(model, EPL config or None, default examples per device)."""
+    """(model, the script's `epl.Capture` or None, default examples per device)."""
     if args.model:
         spec = builtin_model(args.model, args.dtype)
         return spec, None, default_batch_per_device(spec.name)
+    with quiet_tensorflow_startup():
+        import tensorflow  # noqa: F401  (--graph and --script need it)
+    from epl.planner.planner import model_from_graph
     if args.graph:
         from epl.observability.dump_format import DumpError, load_graph_def
-        from epl.planner.planner import model_from_graph
         try:
             graph_def = load_graph_def(args.graph)
         except DumpError as err:
             raise PlanInputError(str(err)) from None
         name = os.path.splitext(os.path.basename(args.graph))[0]
         return model_from_graph(graph_def, name=name), None, None
-    graph, config = capture_script_graph(args.script, args.script_args)
-    from epl.hooks.record import record_of
-    from epl.planner.planner import model_from_graph
+    import epl
+    with contextlib.redirect_stdout(sys.stderr):   # the script's own lines: not the plan's
+        captured = epl.capture(args.script, args.script_args)
     name = os.path.splitext(os.path.basename(args.script))[0]
-    return model_from_graph(graph, name=name, record=record_of(graph, create=False)), config, None
+    return (model_from_graph(captured.graph, name=name, record=captured.record),
+            captured, None)
 
 
-def calibrate(output: str | None) -> str:
+def script_batch(captured: Any, hosts: Sequence[Any], batch: int | None) -> Any:
+    """The JobBatch of the run `epl-plan --script` predicts: the script (its
+    TaskGraphs, `io.batch_mode`, `pipeline.num_micro_batch`) on `hosts`, one worker
+    per host driving its devices, as `epl-launch` runs it; `batch` is the script's
+    (its batch inputs' static first dimension). Each host holds as many replicas as
+    its devices give (epl.planner.plan.split_layout: split TaskGraphs take their
+    devices first unless colocated); with hosts of different sizes the replicas are
+    counted over the whole cluster."""
+    from epl.observability.summary import JobBatch
+    from epl.planner.plan import split_layout
+    from epl.runtime.cluster import Cluster
+    config, taskgraphs = captured.config, list(captured.record.taskgraphs)
+    colocate = bool(config.get("cluster.colocate_split_and_replicate"))
+    per_replica = sum(tg.spec.device_count for tg in taskgraphs
+                      if tg.spec.kind.value != "split") or 1
+    replicas_on: dict[int, int] = {}
+    for devices in {host.devices for host in hosts}:
+        usable, _ = split_layout(taskgraphs, Cluster("CPU", devices, 0, len(hosts)),
+                                 colocate)
+        replicas_on[devices] = max(1, usable // per_replica)
+    counts = [replicas_on[host.devices] for host in hosts]
+    workers, replicas = (len(hosts), counts[0]) if len(set(counts)) == 1 else (1, sum(counts))
+    return JobBatch(workers, replicas, int(config.get("pipeline.num_micro_batch")),
+                    str(config.get("io.batch_mode")), batch)
+
+
+def batch_line(job: Any) -> str:
+    """The line epl-plan --script prints about the batch of the run it predicts."""
+    if job.batch_mode == "replica":
+        contract = (f"the script's batch {job.batch} is one replica's micro-batch "
+                    "(io.batch_mode 'replica', EPL's contract)")
+        unit = job.batch
+    else:
+        contract = (f"the script's batch {job.batch} is each worker's, cut among its "
+                    "replicas and micro-batches (io.batch_mode 'global')")
+        unit = job.batch / job.units_per_worker if job.batch is not None else None
+    per_unit = f"{unit:g}" if unit is not None else "?"
+    return (f"Batch: global batch {job.describe()} per step of this script on this cluster; "
+            f"{contract}; {per_unit} per (replica, micro-batch)")
+
+
+def calibrate(output: str | None, progress=None) -> str:
     """--calibrate: measure the CPU profile; write it to `output` when given.
 
-    Returns the profile file's JSON text, or a line naming the file written.
-    Raises PlanInputError when `output` cannot be written.
+    progress(line) gets a line as each round starts, and the warnings
+    (`calibration_warnings`: a loaded host, fitted values far outside their
+    expected ranges). Returns the profile file's JSON text, or a line naming the
+    file written. Raises PlanInputError when `output` cannot be written.
     """
     from epl.planner.profiles import calibrate_cpu_profile, profile_file
-    text = json.dumps(profile_file(calibrate_cpu_profile()), indent=1)
+    say = progress or (lambda line: None)
+    for warning in host_load_warnings():
+        say(warning)
+    with quiet_tensorflow_startup():
+        import tensorflow  # noqa: F401
+    profile = calibrate_cpu_profile(progress=say)
+    for warning in calibration_warnings(profile):
+        say(warning)
+    text = json.dumps(profile_file(profile), indent=1)
     if output is None:
         return text
     try:
@@ -543,34 +496,99 @@ def calibrate(output: str | None) -> str:
            f"{output} or as cluster.device_profiles)"
 
 
+#: What `calibrate_cpu_profile` fits on an idle 2-core x86-64 host with AVX-512
+#: (README, "Planner calibration"): field -> (low, high, unit scale, unit), FLOP/s
+#: per core. A value more than `FAR` times outside its range gets a warning.
+EXPECTED_RANGES = {
+    "step_overhead_s": (0.3e-3, 0.45e-3, 1e3, "ms"),
+    "op_overhead_s": (0.1e-6, 0.2e-6, 1e6, "us"),
+    "flop_rate_per_core": (60e9, 78e9, 1e-9, "GFLOP/s per core"),
+    "replica_concurrency": (0.7, 1.0, 1.0, ""),
+    "replica_sync_s": (0.15e-3, 0.4e-3, 1e3, "ms"),
+}
+FAR = 3.0
+#: A 1-minute load average above this fraction of the cores counts as a loaded host.
+LOADED = 0.5
+
+
+def host_load_warnings(load: float | None = None, cores: int | None = None) -> list[str]:
+    """A warning when the host's 1-minute load average is above LOADED x its cores
+    (os.getloadavg, os.sched_getaffinity): the calibration then measures the load."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # pragma: no cover - no load average on this platform
+            return []
+    cores = cores or len(os.sched_getaffinity(0))
+    if load <= LOADED * cores:
+        return []
+    return [f"epl-plan: warning: the host is loaded (load average {load:.1f} over the last "
+            f"minute on {cores} core{'' if cores == 1 else 's'}): the figures will measure "
+            "that load, not the machine; calibrate on an idle host for figures that hold"]
+
+
+def calibration_warnings(profile: Any) -> list[str]:
+    """A warning for each fitted value of `profile` more than FAR times outside its
+    EXPECTED_RANGES range."""
+    from epl.planner.roofline import DEFAULT_EFFICIENCY
+    cores = max(1, int(profile.host_cores or 1))
+    values = {name: getattr(profile, name, None) for name in EXPECTED_RANGES}
+    values["flop_rate_per_core"] = profile.peak_flops["float32"] * DEFAULT_EFFICIENCY / cores
+    warnings = []
+    for name, (low, high, scale, unit) in EXPECTED_RANGES.items():
+        value = values[name]
+        if value is None or low / FAR <= value <= high * FAR:
+            continue
+        suffix = f" {unit}" if unit else ""
+        warnings.append(
+            f"epl-plan: warning: {name} = {value * scale:.3g}{suffix} is far outside the "
+            f"{low * scale:g}-{high * scale:g}{suffix} an idle 2-core host fits (README, "
+            "\"Planner calibration\"): the host was busy, or its CPU differs; check the "
+            "figures before planning with them")
+    return warnings
+
+
 def run(args: argparse.Namespace) -> str:
     """Plan as the flags say; returns explain()'s text, or with --json the
     plan's `ClusterPlan.as_dict()` as JSON; with --calibrate, `calibrate`'s
-    answer."""
+    answer (its progress and warnings on stderr)."""
     if args.calibrate:
-        return calibrate(args.output)
+        return calibrate(args.output, lambda line: print(line, file=sys.stderr, flush=True))
     if args.output:
         raise PlanInputError("--output is for --calibrate")
-    if not args.cluster:
+    if args.cluster is None:  # an empty one is parse_cluster's to explain
         raise PlanInputError("--cluster is required (or use --calibrate)")
     from epl.planner.planner import plan_cluster
     from epl.planner.profiles import parse_cluster
     overrides = _overrides(args.profiles)
     if not args.script:  # a script's epl.init may define more profiles
         parse_cluster(args.cluster, overrides or None)
-    model, config, per_device = _model(args)
+    model, captured, per_device = _model(args)
+    config = captured.config if captured is not None else None
     if config is not None:
         overrides = {**(config.get("cluster.device_profiles") or {}),
                      **overrides}
     hosts = parse_cluster(args.cluster, overrides or None)
-    batch = args.global_batch
+    batch, job = args.global_batch, None
+    if captured is not None:
+        job = script_batch(captured, hosts, model.batch_size)
+        batch = batch if batch is not None else job.global_batch
     if batch is None and per_device and not model.batch_size:
         batch = per_device * sum(h.devices for h in hosts)
     plan = plan_cluster(model, hosts, args.optimizer, batch,
                         _options(args, config))
     if args.json:
-        return json.dumps(plan.as_dict(), indent=1)
-    return plan.explain()
+        answer = plan.as_dict()
+        if job is not None:
+            answer["script_batch"] = {
+                "global_batch": job.global_batch, "workers": job.workers,
+                "replicas_per_worker": job.replicas, "micro_batches": job.micro_batches,
+                "batch_mode": job.batch_mode, "script_batch": job.batch}
+        return json.dumps(answer, indent=1)
+    lines = plan.explain().split("\n")
+    if job is not None and args.global_batch is None:
+        lines.insert(1, batch_line(job))   # after the model's line
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

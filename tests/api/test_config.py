@@ -14,7 +14,7 @@ from epl.errors import ConfigError
 
 EXPECTED_DEFAULTS = {
     "pipeline.num_micro_batch": 1,
-    "pipeline.num_stages": 1,
+    "pipeline.num_stages": None,
     "pipeline.strategy": "PreferBackward",
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
@@ -50,6 +50,7 @@ EXPECTED_DEFAULTS = {
     "debug.check_invariants": False,
     "debug.disabled_passes": [],
     "debug.log_level": "",
+    "debug.log_all_ranks": False,
     "debug.trace_dir": "",
     "debug.trace_steps": [2],
 }
@@ -115,7 +116,7 @@ def test_dotted_dict_input_and_access() -> None:
     assert config.cluster.colocate_split_and_replicate is True
     assert config.to_dict()["pipeline.num_micro_batch"] == 4
     assert config.pipeline.to_dict() == {
-        "num_micro_batch": 4, "num_stages": 1, "strategy": "PreferBackward"}
+        "num_micro_batch": 4, "num_stages": None, "strategy": "PreferBackward"}
     assert isinstance(config.pipeline, ConfigSection)
 
 

@@ -67,9 +67,11 @@ def _pipeline_summary(epl_env, records) -> list[str]:
 
 def test_parallelize_logs_a_summary_at_info(epl_env, epl_records):
     lines = _pipeline_summary(epl_env, epl_records)
-    assert re.fullmatch(r"parallel graph ready in \d+\.\d\d s \(worker 0 of 1, 4 local CPU"
+    assert re.fullmatch(r"parallel graph ready in \d+\.\d\d s \(1 worker, 4 local CPU"
                         r" devices\)", lines[0]), lines[0]
-    assert lines[1:5] == [
+    assert lines[1:6] == [
+        # the constant batch of 16 is each unit's: 2 replicas x 2 micro-batches of 16
+        "  global batch per step: 64 (2 replicas x 2 micro-batches x 16)",
         "  2 replicas x 2 stages (stage_0, stage_1), 2 micro-batches per step, schedule"
         " PreferBackward, batch shares even",
         "  replica 0: CPU:0, CPU:1 | replica 1: CPU:2, CPU:3",
@@ -78,9 +80,9 @@ def test_parallelize_logs_a_summary_at_info(epl_env, epl_records):
         # stage 0: 8x16 + 16 floats = 576 B, stage 1: 16 + 1 floats = 68 B
         "  collectives per step: 4 (1.3 KiB): CollectiveReduce 4 (1.3 KiB)"]
     # the slowest pass always, up to four more taking 5 ms or more, then the rest
-    assert re.fullmatch(r"  passes: ([a-z_]+ \d+\.\d\d s, ){1,5}others \d+\.\d\d s", lines[5]), \
-        lines[5]
-    assert len(lines) == 6
+    assert re.fullmatch(r"  passes: ([a-z_]+ \d+\.\d\d s, ){1,5}others \d+\.\d\d s", lines[6]), \
+        lines[6]
+    assert len(lines) == 7
 
 
 def test_no_summary_is_built_below_info(epl_env, epl_records):
@@ -117,3 +119,37 @@ def test_bad_log_level_is_a_clear_error(epl_env):
         logs.configure("LOUD")
     assert str(error.value) == ("debug.log_level must be one of DEBUG, INFO, WARNING, ERROR"
                                 " or '', got 'LOUD'")
+
+
+def test_job_batch_is_workers_x_replicas_x_micro_batches_x_batch():
+    from epl.observability.summary import JobBatch
+    job = JobBatch(workers=2, replicas=2, micro_batches=4, batch_mode="replica", batch=8)
+    assert (job.units_per_worker, job.per_worker, job.global_batch) == (8, 64, 128)
+    assert job.describe() == "128 (2 workers x 2 replicas x 4 micro-batches x 8)"
+    assert JobBatch(1, 4, 1, "replica", 64).describe() == "256 (4 replicas x 64)"
+    assert JobBatch(1, 4, 1, "replica", None).describe() == "? (4 replicas x the script's batch)"
+    sliced = JobBatch(2, 4, 1, "global", 64)
+    assert (sliced.per_worker, sliced.global_batch) == (64, 128)
+    assert sliced.describe() == ("128 (2 workers x 64, each cut into 4 replicas; "
+                                 "io.batch_mode 'global')")
+
+
+def test_summary_of_several_workers_is_the_jobs_and_printed_by_worker_0():
+    from epl.observability.summary import (CollectiveTotals, JobBatch, ParallelSummary,
+                                           format_summary, prints_here)
+    from epl.runtime.cluster import Cluster
+    summary = ParallelSummary(1, 2, "CPU", 2, 2, ["replicate_0"], 1, "", (0.5, 0.5),
+                              [["CPU:0"], ["CPU:1"]], [], CollectiveTotals(), CollectiveTotals(),
+                              0.5, {"replicate": 0.4}, JobBatch(2, 2, 1, "replica", 64),
+                              "/tmp/d/rank_1")
+    lines = format_summary(summary)
+    assert lines[:3] == ["parallel graph ready in 0.50 s (2 workers x 2 local CPU devices)",
+                         "  global batch per step: 256 (2 workers x 2 replicas x 64)",
+                         "  2 replicas x 1 stage on each worker, 1 micro-batch per step, "
+                         "batch shares even"]
+    assert "  collectives per step (each worker): none" in lines
+    assert lines[-1] == "  dump of every pass: /tmp/d/rank_1 (epl-dump /tmp/d/rank_1)"
+    quiet, loud = epl.Config(), epl.Config({"debug.log_all_ranks": True})
+    assert prints_here(Cluster("CPU", 2, 0, 2), quiet)
+    assert not prints_here(Cluster("CPU", 2, 1, 2), quiet)
+    assert prints_here(Cluster("CPU", 2, 1, 2), loud)

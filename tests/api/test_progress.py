@@ -69,8 +69,8 @@ def test_progress_prints_first_every_nth_and_last_step_and_a_summary(epl_env, tm
         lines[5]
     assert len(lines) == 6
     scalars = [(e.step, v.tag) for e in _events(logdir) for v in e.summary.value]
-    assert scalars == [(3, "samples/sec"), (3, "loss"), (6, "samples/sec"), (6, "loss"),
-                       (7, "samples/sec"), (7, "loss")]
+    assert scalars == [(step, tag) for step in (3, 6, 7)
+                       for tag in ("samples/sec", "global_step/sec", "loss")]
     [graph] = _graphs(logdir)      # written after the rewrite only
     assert _collectives(graph) == 2
 
@@ -99,3 +99,104 @@ def test_monitored_session_checkpoint_dir_ends_with_the_parallel_graph(epl_env, 
 def test_every_n_steps_must_be_positive():
     with pytest.raises(ValueError, match="every_n_steps must be >= 1, got 0"):
         ProgressHook(8, every_n_steps=0)
+    with pytest.raises(ValueError) as caught:
+        ProgressHook(8, batch_size=4)
+    assert str(caught.value) == (
+        "give ProgressHook one of samples_per_step (what one run of this worker consumes) and "
+        "batch_size (the script's batch), got samples_per_step=8, batch_size=4")
+
+
+class _Clock:
+    """A clock for ProgressHook: 1 s per run, 100 s for a traced run (the run's own
+    time, added by `_Runtime` before ProgressHook reads the clock after the run)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    @staticmethod
+    def time():
+        return 0.0
+
+
+class _Runtime(tf.compat.v1.train.SessionRunHook):
+    """Advances the clock by each run's time (listed before ProgressHook, so its after_run
+    comes first)."""
+
+    def __init__(self, clock, tracer_of):
+        self.clock, self.tracer_of = clock, tracer_of
+
+    def after_run(self, run_context, run_values):
+        tracer = self.tracer_of()
+        self.clock.now += 100.0 if tracer is not None and tracer.last_run_traced else 1.0
+
+
+def test_batch_size_gives_the_job_batch_and_traced_runs_stay_out_of_the_rates(
+        epl_env, tmp_path, monkeypatch):
+    """With batch_size, the hook counts the step's units from the parallel graph (2
+    replicas x 16); the traced run 3 (debug.trace_dir) is left out of the rates, which
+    are exactly 32 samples per 1 s run."""
+    from epl.observability import progress
+    from epl.hooks.session import parallel_graph
+    clock = _Clock()
+    monkeypatch.setattr(progress, "time", clock)
+    epl_env({"cluster.virtual_devices": 2, "debug.trace_dir": str(tmp_path / "trace"),
+             "debug.trace_steps": [3]})
+    lines: list[str] = []
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.from_tensor_slices(
+            np.ones([64, 8], np.float32)).repeat().batch(BATCH)).get_next()
+        with epl.replicate(device_count=1):
+            loss = tf.reduce_mean(tf.compat.v1.layers.dense(x, 1, name="out") ** 2)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+        hook = ProgressHook(batch_size=BATCH, tensors={"loss": loss}, every_n_steps=2,
+                            last_step=5, print_fn=lines.append)
+        runtime = _Runtime(clock, lambda: parallel_graph(graph).tracer)
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=[tf.compat.v1.train.StopAtStepHook(last_step=5), runtime, hook]) as sess:
+            while not sess.should_stop():
+                sess.run(train_op)
+    assert lines[0] == ("session ready after 0.0 s (graph rewrite and variable "
+                        "initialization); global batch 32 (2 replicas x 16)")
+    assert hook.samples_per_step == 32 and hook.batch.units_per_worker == 2
+    assert [re.sub(r"loss \d+\.\d+", "loss L", line) for line in lines[2:]] == [
+        "step     2  loss L         32 samples/s",
+        "step     4  loss L         32 samples/s  (1 traced run not counted)",
+        "step     5  loss L         32 samples/s",
+        "done: 5 steps in 104.0 s (session start 0.0 s, first step 1.00 s, then 32 samples/s); "
+        "final loss L"]
+
+
+def test_logdir_holds_one_graph_the_parallel_one_without_the_dataset(epl_env, tmp_path):
+    """ProgressHook's logdir (MonitoredTrainingSession without summary_dir, as the
+    examples run) holds one graph event, the parallel graph, whose 128 KiB dataset
+    constant is left out; TensorBoard's Python loader (--load_fast=false) shows it."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+    epl_env({"cluster.virtual_devices": 2})
+    logdir = str(tmp_path / "tb")
+    with tf.Graph().as_default():
+        data = np.random.RandomState(0).rand(4096, 8).astype(np.float32)
+        x = tf.compat.v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensor_slices(data).repeat().batch(BATCH)).get_next()
+        with epl.replicate(device_count=1):
+            loss = tf.reduce_mean(tf.compat.v1.layers.dense(x, 1, name="out") ** 2)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+        hooks = [tf.compat.v1.train.StopAtStepHook(last_step=3),
+                 ProgressHook(batch_size=BATCH, tensors={"loss": loss}, every_n_steps=1,
+                              output_dir=logdir, print_fn=lambda line: None)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            while not sess.should_stop():
+                sess.run(train_op)
+    [graph] = _graphs(logdir)
+    assert _collectives(graph) == 2
+    elided = [node for node in graph.node if "_epl_dump_elided" in node.attr]
+    assert [node.attr["_epl_dump_elided"].i >= data.nbytes for node in elided] == [True]
+    assert sum(os.path.getsize(p) for p in glob.glob(os.path.join(logdir, "*"))) < data.nbytes
+    accumulator = plugin_event_accumulator.EventAccumulator(logdir)
+    accumulator.Reload()
+    shown = accumulator.Graph()
+    assert _collectives(shown) == 2 and len(shown.node) == len(graph.node)

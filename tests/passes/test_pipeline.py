@@ -93,7 +93,7 @@ def units_per_step(stages: int) -> int:
         return 1
     config = env.get_config()
     if not stages and config.get("auto.auto_parallel"):
-        stages = int(config.get("pipeline.num_stages"))
+        stages = int(config.get("pipeline.num_stages") or 1)
     replicas = max(1, int(config.get("cluster.virtual_devices")) // max(stages, 1))
     return replicas * int(config.get("pipeline.num_micro_batch"))
 

@@ -750,7 +750,7 @@ def test_cli_saved_graph(capsys, tmp_path):
     code, out, err = _cli(capsys, "--cluster", "1x2xV100-32GB,1x2xT4",
                           "--graph", str(path))
     assert code == 0, err
-    assert "Model: model: 2 layer(s)" in out
+    assert "Model: model: 2 layers (w1, w2) in 2 TaskGraphs" in out
     assert "optimizer adam; global batch 8" in out
     code, out, err = _cli(capsys, "--cluster", "1xT4", "--graph",
                           str(tmp_path / "missing.pbtxt"))
@@ -781,8 +781,11 @@ def test_cli_script_is_captured_at_its_first_session(capsys, tmp_path):
     code, out, err = _cli(capsys, "--cluster", "1x2xV100-32GB,1x2xSmall",
                           "--script", str(path))
     assert code == 0, err
-    assert "Model: train: 1 layer(s)" in out
-    assert "optimizer momentum; global batch 32" in out
+    assert "Model: train: 1 layer (w) in 1 TaskGraph" in out
+    # EPL's batch contract: 2 workers x 2 replicas x the script's 32
+    assert "optimizer momentum; global batch 128" in out
+    assert "Batch: global batch 128 (2 workers x 2 replicas x 32) per step of this script " \
+        "on this cluster; the script's batch 32 is one replica's micro-batch" in out
     assert "2 x Small" in out
     assert not env.is_initialized()  # the script's epl.init was undone
     bad = tmp_path / "bad.py"

@@ -7,6 +7,7 @@ runs through tests/multiworker.py (its own process group, a timeout).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 from multiworker import (EPL_LAUNCH, HOROVODRUN, assert_matches_plain, epl_launch, errors,
                          run_job, worker_module)
 from epl.tools import launch as launcher
+from epl.tools import launch_output
 from paths import BENCH  # noqa: E402
 
 JOB_TIMEOUT = 120
@@ -105,9 +107,6 @@ def test_horovodrun_options_are_passed_on(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["-np", "2", "--no-such-flag", "python", "x.py"],
-     "epl-launch: --no-such-flag is neither an epl-launch option nor a horovodrun option (see "
-     "epl-launch --help and horovodrun --help)\n"),
     (["-np", "2", "no-such-program-epl", "x"],
      "epl-launch: no-such-program-epl: no such program on PATH; give the program and its "
      "arguments, e.g. epl-launch -np 2 python train.py\n"),
@@ -188,7 +187,8 @@ def test_output_watcher_names_first_failing_worker_and_its_error():
             "[1]<stderr>:Terminated",
             "Process 1 exit with status code 143."]:
         watcher.feed(line)
-    assert watcher.summary(1) == "epl-launch: worker 1 failed (exit 143): RuntimeError: boom"
+    assert watcher.summary(1) == "epl-launch: worker 1 failed: RuntimeError: boom"
+    assert watcher.cause(*watcher.failure()) == "RuntimeError: boom"
     # A worker that exited with SystemExit('message') prints only the message; its peer,
     # failing in consequence, exited first and horovodrun terminated it (143).
     watcher = launcher.OutputWatcher()
@@ -202,7 +202,7 @@ def test_output_watcher_names_first_failing_worker_and_its_error():
             "[1]<stderr>:Terminated",
             "Process 1 exit with status code 143."]:
         watcher.feed(line)
-    assert watcher.summary(1) == "epl-launch: worker 1 failed (exit 143): bad shard 3 at step 3"
+    assert watcher.summary(1) == "epl-launch: worker 1 failed: bad shard 3 at step 3"
     # A worker killed by a signal: the signal is the cause.
     watcher = launcher.OutputWatcher()
     for line in ["[1]<stderr>:Traceback (most recent call last):", "[1]<stderr>:OldError: x",
@@ -210,12 +210,111 @@ def test_output_watcher_names_first_failing_worker_and_its_error():
         watcher.feed(line)
     assert watcher.summary(1) == "epl-launch: worker 1 failed (exit 137): killed by SIGKILL"
     assert watcher.cause(1, 137) == "killed by SIGKILL"
+    # A worker that raised and was then terminated (a signal exit) is reported by its
+    # exception, never as a bare signal.
+    watcher = launcher.OutputWatcher()
+    for line in ["[1]<stderr>:Traceback (most recent call last):", "[1]<stderr>:ValueError: x",
+                 "Process 1 exit with status code -15."]:
+        watcher.feed(line)
+    assert watcher.summary(1) == "epl-launch: worker 1 failed: ValueError: x"
+    assert watcher.cause(1, -15) == "ValueError: x"
     # Without horovodrun's per-process lines, its final report is used.
     watcher = launcher.OutputWatcher()
     for line in HOROVODRUN_FAILURE.splitlines():
         if not line.startswith("Process ") or line.startswith("Process name"):
             watcher.feed(line)
     assert watcher.failure() == (1, 1)
+
+
+def test_output_watcher_blames_the_worker_epl_found_at_fault():
+    """The worker that waited raised ClusterError and exited first (1); the stalled one
+    was terminated (143): the culprit named by the waiter's event is the one that failed."""
+    event = json.dumps({"event": "culprits", "message": "m", "culprits": [
+        {"rank": 1, "how": "silent", "text": "stalled: it is alive but not progressing: its "
+                                             "process is stopped (SIGSTOP, or a debugger)"}]})
+    watcher = launcher.OutputWatcher()
+    for line in ["[0]<stderr>:epl-launch-event: " + event,
+                 "[0]<stderr>:Traceback (most recent call last):",
+                 "[0]<stderr>:epl.errors.ClusterError: worker 0 of 2: ... worker 1 stalled: ...",
+                 "Process 0 exit with status code 1.",
+                 "Process 1 exit with status code 143."]:
+        watcher.feed(line)
+    assert watcher.failure() == (1, 143)
+    assert watcher.summary(1) == (
+        "epl-launch: worker 1 failed (stalled, reported by worker 0): epl.errors.ClusterError: "
+        "worker 0 of 2: ... worker 1 stalled: ...")
+    assert watcher.cause(1, 143) == (
+        "stalled: it is alive but not progressing: its process is stopped (SIGSTOP, or a "
+        "debugger) (reported by worker 0)")
+    # A worker at fault that raised an error of its own (a save that failed) is reported
+    # by that error, even when the peers said it left.
+    watcher = launcher.OutputWatcher()
+    event = json.dumps({"event": "culprits", "message": "m", "culprits": [
+        {"rank": 0, "how": "left", "text": "left the job after global step 10: it raised X"}]})
+    for line in ["[1]<stderr>:epl-launch-event: " + event,
+                 "[0]<stderr>:Traceback (most recent call last):",
+                 "[0]<stderr>:epl.errors.CheckpointError: saving the checkpoint c failed",
+                 "Process 1 exit with status code 1.", "Process 0 exit with status code 143."]:
+        watcher.feed(line)
+    assert watcher.summary(1) == (
+        "epl-launch: worker 0 failed: epl.errors.CheckpointError: saving the checkpoint c failed")
+
+
+def test_restarter_drops_the_slots_of_the_workers_at_fault():
+    args = launcher.parse_command_line(["-np", "3", "-H", "a:1,b:1,c:1", "--restarts", "1",
+                                        "--min-np", "1", "python", "x.py"], horovod={})
+    out = io.StringIO()
+    restarter = launcher.Restarter(args, out)
+    watcher = launcher.OutputWatcher()
+    event = json.dumps({"event": "culprits", "message": "m", "culprits": [
+        {"rank": 1, "how": "idle", "text": "stalled: it is alive but not progressing: x"}]})
+    for line in ["[0]<stderr>:epl-launch-event: " + event, "Process 0 exit with status code 1.",
+                 "Process 1 exit with status code 143.", "Process 2 exit with status code 143."]:
+        watcher.feed(line)
+    assert restarter.next_attempt(watcher)
+    assert (args.np, args.hosts) == (2, "a:1,c:1")  # worker 1's host b, not worker 0's a
+    assert out.getvalue() == (
+        "epl-launch: restart 1 of 1 after worker 1 failed (stalled: it is alive but not "
+        "progressing: x (reported by worker 0)): starting 2 workers again (-H a:1,c:1)\n")
+
+
+def test_rank_files_keep_every_ranks_output(tmp_path):
+    files = launch_output.RankFiles(str(tmp_path), 12)
+    for line in ["[0]<stdout>:step 1", "[11]<stderr>:W0000 a log line", "Process 11 exit with "
+                 "status code 1.", "[0]<stderr>:epl-launch-event: {}", "[0]<stdout>:step 2\n"]:
+        files.write(line)
+    files.new_attempt("epl-launch: restart 1")
+    files.write("[0]<stdout>:step 1")
+    files.close()
+    assert (tmp_path / "rank.00" / "stdout").read_text() == (
+        "step 1\nstep 2\nepl-launch: restart 1\nstep 1\n")
+    assert (tmp_path / "rank.11" / "stderr").read_text() == "W0000 a log line\n"
+    assert not (tmp_path / "rank.00" / "stderr").exists()  # the event is the launcher's
+    assert (tmp_path / "launcher.log").read_text() == "Process 11 exit with status code 1.\n"
+
+
+def test_horovodrun_options_are_read_from_its_help():
+    options = launcher.horovodrun_options()
+    assert options["--timeline-filename"] == 1 and options["--verbose"] == 0
+    assert options["-np"] == 1 and options["--blacklist-cooldown-range"] == 2
+    assert launcher.parse_help_options(
+        "usage: x [-h] [--a A]\n\noptions:\n  -h, --help  show\n  --a A, -a A  value\n"
+        "  --many M [M ...]\n                        help\n  --flag\n") == {
+        "-h": 0, "--help": 0, "--a": 1, "-a": 1, "--many": -1, "--flag": 0}
+
+
+def test_unknown_option_goes_to_horovodrun_which_refuses_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    out = io.StringIO()
+    args = launcher.parse_command_line(["-np", "2", "--no-such-flag", "python", str(script)])
+    assert args.horovod_args == ["--no-such-flag"]
+    cmd, env = launcher.build(args)
+    code, _ = launcher.run(cmd, env, out=out)
+    assert code == 2
+    assert out.getvalue().splitlines()[-1] == (
+        "epl-launch: horovodrun failed (exit 2) before starting any worker: horovodrun: error: "
+        "unrecognized arguments: --no-such-flag")
 
 
 # --------------------------------------------------------------------------
@@ -279,8 +378,8 @@ def test_crashing_worker_fails_the_job_naming_rank_and_error(tmp_path):
     job = _launch(tmp_path, "-np", "2", "--timeout", "20", "crash")
     text = job.text
     assert job.returncode == 1, "\n".join(text)[-4000:]
-    # Exit 1, or 143 when horovodrun terminated it while it was still exiting.
-    assert re.fullmatch(r"epl-launch: worker 1 failed \(exit (1|143)\): RuntimeError: boom at step 3",
+    # (exit 1), or no exit code when horovodrun terminated it while it was still exiting.
+    assert re.fullmatch(r"epl-launch: worker 1 failed( \(exit 1\))?: RuntimeError: boom at step 3",
                         text[-1]), "\n".join(text)[-6000:]
     assert "[1]<stdout>:step 2 [3.0, 3.0, 3.0]" in text  # it did run a few steps
     # The job ends well within the 20 s stall timeout after the crash.
@@ -290,10 +389,28 @@ def test_crashing_worker_fails_the_job_naming_rank_and_error(tmp_path):
 
 
 @pytest.mark.multiworker
+def test_output_dir_keeps_every_ranks_output_across_restarts(tmp_path):
+    """--output-dir: each rank's whole output in DIR/rank.<r>/{stdout,stderr}, unprefixed,
+    both attempts of a job restarted once (worker 1 crashes in each)."""
+    logs = tmp_path / "logs"
+    job = _launch(tmp_path, "-np", "2", "--timeout", "20", "--restarts", "1", "--output-dir",
+                  str(logs), "crash")
+    assert job.returncode == 1, "\n".join(job.text)[-4000:]
+    stdout = (logs / "rank.0" / "stdout").read_text().splitlines()
+    assert stdout.count("step 2 [3.0, 3.0, 3.0]") == 2
+    assert stdout.index("epl-launch: restart 1") > stdout.index("step 2 [3.0, 3.0, 3.0]")
+    stderr = (logs / "rank.1" / "stderr").read_text().splitlines()
+    assert stderr.count("RuntimeError: boom at step 3") == 2
+    launcher_log = (logs / "launcher.log").read_text()
+    assert re.search(r"^epl-launch: restart 1 of 1 after worker 1 failed", launcher_log, re.M)
+    assert launcher_log.rstrip().splitlines()[-1] == "epl-launch: no restarts left (--restarts 1)"
+
+
+@pytest.mark.multiworker
 def test_worker_exiting_with_a_message_is_quoted(tmp_path):
     job = _launch(tmp_path, "-np", "2", "--timeout", "20", "exit")
     assert job.returncode == 1, "\n".join(job.text)[-4000:]
-    assert re.fullmatch(r"epl-launch: worker 1 failed \(exit (1|143)\): bad shard 3 at step 3",
+    assert re.fullmatch(r"epl-launch: worker 1 failed( \(exit 1\))?: bad shard 3 at step 3",
                         job.text[-1]), "\n".join(job.text)[-4000:]
     exited, _ = job.first("[1]<stderr>:bad shard 3 at step 3")
     # the job ends within the collective timeout (--timeout 20) plus 5 s of slack, the
@@ -344,12 +461,13 @@ def test_restart_after_a_kill_finishes_from_the_last_checkpoint(tmp_path, report
     job = epl_launch(["-np", "2", "--timeout", "60", "--restarts", "2"],
                      ["checkpoint_worker.py", "rank0", str(out), str(ckpt), "12"], timeout=300)
     assert job.returncode == 0, errors(job.stdout)
-    log = [line for line in job.text if line.startswith("epl-launch:")]
+    log = [re.sub(r" in \d+\.\d\d s\)$", " in SECONDS s)", line) for line in job.text
+           if line.startswith("epl-launch:")]
     assert log == ["epl-launch: worker 1 failed (exit 137): killed by SIGKILL",
                    "epl-launch: restart 1 of 2 after worker 1 failed (killed by SIGKILL): "
                    "starting 2 workers again (-H localhost:2)",
-                   "epl-launch: restart 1: resumed from global step 10 (worker 0 restored %s)"
-                   % (ckpt / "model.ckpt-10")], "\n".join(log)
+                   "epl-launch: restart 1: resumed from global step 10 (worker 0 restored %s in "
+                   "SECONDS s)" % (ckpt / "model.ckpt-10")], "\n".join(log)
     killed, _ = job.first("rank 1 kills itself at step 12")
     for rank in (0, 1):
         record = json.loads((out / f"rank{rank}.json").read_text())
@@ -398,6 +516,10 @@ def test_recovery_benchmark_quick(report):
     job = run_job([sys.executable, bench, "--quick"], 600)
     assert job.returncode == 0, job.stdout[-3000:]
     line = next(line for line in job.text if line.startswith("recovery: "))
-    assert re.fullmatch(r"recovery: automatic / manual restart time = [\d.]+ \(median of 1; "
-                        r"automatic [\d.]+ s, manual [\d.]+ s\)", line), line
+    assert re.fullmatch(r"recovery: restart / fresh start-up = [\d.]+ \(median of 1; "
+                        r"restart [\d.]+ s, fresh [\d.]+ s\)", line), line
+    parts = next(line for line in job.text if line.startswith("restart parts (medians): "))
+    assert re.fullmatch(r"restart parts \(medians\): detection [\d.]+ s, teardown [\d.]+ s, "
+                        r"start-up [\d.]+ s, restore [\d.]+ s, first step [\d.]+ s", parts), parts
+    report(parts)
     report(line)

@@ -73,6 +73,33 @@ def test_workers_with_different_graphs_fail_clearly(mode, expected):
         assert f"EPL-ERROR rank {rank}: {expected}" in out, _errors(out)
 
 
+_SAME_CONFIG = ("Every worker must use the same config (the same epl.Config dict and EPL_* "
+                "environment variables); only cluster.virtual_devices, cluster.run_visible_devices, "
+                "cluster.device_profiles, communication.collective_timeout_s and debug.* may differ")
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["config", "pipeline.num_micro_batch=2"],
+     "workers run with different configs: worker 1 has pipeline.num_micro_batch 2, worker 0 has "
+     "1. " + _SAME_CONFIG),
+    (["config", 'amp.level="O1",io.batch_mode="global",communication.fusion_threshold_mb=64'],
+     'workers run with different configs: worker 1 has amp.level "O1", worker 0 has ""; worker '
+     "1 has communication.fusion_threshold_mb 64.0, worker 0 has 1e-06; worker 1 has "
+     'io.batch_mode "global", worker 0 has "replica". ' + _SAME_CONFIG),
+    (["version"], "workers run different EPL versions: worker 1 runs EPL 0.0.9, worker 0 runs "
+                  "EPL 0.1.0; install the same EPL on every host"),
+])
+def test_workers_with_different_configs_or_versions_stop_before_step_0(args, expected):
+    """A config key (or several) set on worker 1 only, or another EPL version: every
+    worker stops when the graph is built, naming the keys and both values."""
+    result = _horovodrun("mismatch_worker.py", *args, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "trained" not in out
+    for rank in (0, 1):
+        assert f"EPL-ERROR rank {rank}: {expected}" in out, _errors(out)
+
+
 @pytest.mark.parametrize("optimizer,sizes", [("sgd", "8,8"), ("adam", "12,4")])
 def test_split_taskgraph_with_two_workers_matches_single_device(tmp_path, optimizer, sizes):
     """epl.split(2) over each worker's devices, data-parallel across the 2 workers."""

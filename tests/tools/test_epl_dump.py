@@ -571,3 +571,25 @@ def test_summary_that_is_not_utf8_is_a_clear_error(capsys, small_dump):
     assert code == 2
     assert err == (f"epl-dump: error: summary {path!r} is corrupt: not UTF-8 text (invalid"
                    f" start byte at byte 0); {HINT}\n")
+
+
+def test_epl_dump_runs_without_tensorflow(dump_dir, tmp_path):
+    """Every command reads TensorBoard's copy of the protos: TensorFlow is never imported."""
+    import subprocess
+    import sys
+    from paths import ROOT
+    script = f"""
+import sys
+from epl.tools.dump import main
+codes = [main(["show", {dump_dir!r}]), main(["diff", "--dir", {dump_dir!r}, "0", "1"]),
+         main(["dot", "--dir", {dump_dir!r}, "1", "-o", {str(tmp_path / "g.dot")!r}]),
+         main(["tensorboard", {dump_dir!r}, "--logdir", {str(tmp_path / "tb")!r}])]
+print("codes", codes, "tensorflow", "tensorflow" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "codes [0, 0, 0, 0] tensorflow False"
+    assert REDUCE_0 in result.stdout and "digraph" in (tmp_path / "g.dot").read_text()
+    [event_file] = os.listdir(tmp_path / "tb" / "001_replicate")
+    assert REDUCE_1 in _event_graph_ops(str(tmp_path / "tb" / "001_replicate" / event_file))

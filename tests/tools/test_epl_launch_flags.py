@@ -77,8 +77,8 @@ def test_translation_with_gpus():
      "--machine_list (EPL's launcher) is not supported: give the hosts with -H "
      "host1:slots,host2:slots"),
     (["--log_dir=/tmp/x", "--num_workers", "2", "--gpu_per_worker", "1", "x.py"],
-     "--log_dir (EPL's launcher) is not supported: epl-launch streams every worker's output "
-     "with a rank prefix; redirect it to a file of your choice"),
+     "--log_dir (EPL's launcher) is not supported: use --output-dir DIR: epl-launch keeps "
+     "each rank's output in DIR/rank.<r>/stdout and stderr"),
 ])
 def test_refusals(argv, message):
     with pytest.raises(EplFlagError) as err:

@@ -212,7 +212,13 @@ def test_calibrate_writes_a_profile_file_that_profiles_accepts(tmp_path, capsys)
     from epl.tools import plan as epl_plan
     out = tmp_path / "cpu.json"
     assert epl_plan.main(["--calibrate", "--output", str(out)]) == 0
-    assert capsys.readouterr().out.startswith(f"wrote the CPU profile to {out}")
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"wrote the CPU profile to {out}")
+    progress = [line for line in captured.err.splitlines()
+                if line.startswith("calibrating the CPU profile: ")]
+    assert [line.split(": ", 1)[1].split(" (")[0] for line in progress] == [
+        "round 1 of 5", "round 2 of 5", "round 3 of 5", "round 4 of 5", "round 5 of 5",
+        "fitting the step costs"]
     written = json.loads(out.read_text())
     assert list(written) == ["CPU"]
     assert written["CPU"]["op_overhead_s"] > 0
@@ -226,7 +232,160 @@ def test_calibrate_errors(tmp_path, capsys):
     assert epl_plan.main(["--model", "bert-base"]) == 2
     assert capsys.readouterr().err.strip() == (
         "epl-plan: error: --cluster is required (or use --calibrate)")
+    assert epl_plan.main(["--model", "bert-base", "--cluster", ""]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "epl-plan: error: empty cluster spec ''; expected comma-separated tokens of the form "
+        "[HOSTS x] [DEVICES_PER_HOST x] PROFILE [@ [NICS x] RATE], e.g. '2x8xV100-32GB,2x8xT4', "
+        "'8xA100', 'V100' or '2x8xA100-80GB@8x200Gbps,2x8xT4@1x100Gbps'; RATE is one NIC's rate "
+        "in Gbps or Gb/s (bits) or GBps or GB/s (bytes), NICS defaults to 1")
     assert epl_plan.main(["--model", "bert-base", "--cluster", "1xA10",
                           "--output", "x.json"]) == 2
     assert capsys.readouterr().err.strip() == (
         "epl-plan: error: --output is for --calibrate")
+
+
+def test_calibration_warns_of_a_loaded_host_and_of_far_fitted_values(monkeypatch):
+    import dataclasses
+    assert epl_plan.host_load_warnings(load=0.9, cores=2) == []
+    assert epl_plan.host_load_warnings(load=3.2, cores=2) == [
+        "epl-plan: warning: the host is loaded (load average 3.2 over the last minute on 2 "
+        "cores): the figures will measure that load, not the machine; calibrate on an idle "
+        "host for figures that hold"]
+    base = parse_cluster("1xT4")[0].profile
+    from epl.planner.roofline import DEFAULT_EFFICIENCY
+    fine = dataclasses.replace(base, step_overhead_s=0.4e-3, op_overhead_s=0.15e-6,
+                               peak_flops={"float32": 140e9 / DEFAULT_EFFICIENCY},
+                               replica_concurrency=0.8, replica_sync_s=0.3e-3, host_cores=2)
+    assert epl_plan.calibration_warnings(fine) == []
+    far = dataclasses.replace(fine, op_overhead_s=1.2e-6, replica_concurrency=0.2)
+    assert epl_plan.calibration_warnings(far) == [
+        "epl-plan: warning: op_overhead_s = 1.2 us is far outside the 0.1-0.2 us an idle "
+        "2-core host fits (README, \"Planner calibration\"): the host was busy, or its CPU "
+        "differs; check the figures before planning with them",
+        "epl-plan: warning: replica_concurrency = 0.2 is far outside the 0.7-1 an idle "
+        "2-core host fits (README, \"Planner calibration\"): the host was busy, or its CPU "
+        "differs; check the figures before planning with them"]
+    # calibrate() says both, through its progress function, around the measurement
+    from epl.planner import profiles
+    monkeypatch.setattr(profiles, "calibrate_cpu_profile",
+                        lambda progress=None: (progress("round 1"), far)[1])
+    monkeypatch.setattr(epl_plan, "host_load_warnings", lambda: ["loaded"])
+    said = []
+    epl_plan.calibrate(None, said.append)
+    assert said[:2] == ["loaded", "round 1"] and len(said) == 4
+
+
+# ------------------------------------------------------------------ --script --
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("import tensorflow as tf\nimport epl\n"
+                    "tf.compat.v1.disable_eager_execution()\n" + body)
+    return str(path)
+
+
+def test_capture_uses_epls_hooks_and_restores_the_state(tmp_path):
+    """epl.capture stops the script at the session on the graph EPL would parallelize
+    (a session on another graph runs); it patches nothing and restores EPL's state."""
+    import tensorflow as tf
+    import epl
+    from epl import env
+    from tensorflow.python.client import session as session_lib
+    path = _script(tmp_path, """
+with tf.Graph().as_default():
+    with tf.compat.v1.Session() as other:      # no EPL step on this graph: it runs
+        print("other graph", other.run(tf.constant(41) + 1))
+epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+x = tf.compat.v1.placeholder(tf.float32, [16, 8])
+with epl.replicate(device_count=1, name="body"):
+    loss = tf.reduce_mean(tf.compat.v1.layers.dense(x, 2, name="dense"))
+tf.compat.v1.train.AdamOptimizer().minimize(loss)
+tf.compat.v1.Session()
+raise SystemExit("not reached: capture stops at the session above")
+""")
+    from epl import hooks as epl_hooks
+    epl_hooks.install()   # EPL's own session hooks, as epl.init installs them
+    hooks = (session_lib.BaseSession.__init__, tf.compat.v1.train.Scaffold.finalize,
+             epl.init, epl.parallelize)
+    before = env.save_state()
+    captured = epl.capture(path, ["--flag"])
+    assert (session_lib.BaseSession.__init__, tf.compat.v1.train.Scaffold.finalize,
+            epl.init, epl.parallelize) == hooks
+    assert env.save_state() == before and not env.capturing()
+    assert captured.config.get("pipeline.num_micro_batch") == 2
+    assert [tg.name for tg in captured.record.taskgraphs] == ["body"]
+    assert captured.record.train_steps and not captured.record.parallelized
+    assert captured.graph.get_operation_by_name("dense/MatMul").type == "MatMul"
+
+
+def test_capture_stops_at_epl_parallelize_and_reports_failures(tmp_path):
+    import epl
+    path = _script(tmp_path, """
+x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+loss = tf.reduce_mean(tf.compat.v1.layers.dense(x, 1))
+tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+epl.parallelize()
+raise SystemExit(3)
+""")
+    assert not epl.capture(path).record.parallelized
+    with pytest.raises(epl.CaptureError) as caught:
+        epl.capture(str(tmp_path / "missing.py"))
+    assert str(caught.value) == f"training script {str(tmp_path / 'missing.py')!r} does not exist"
+    exits = _script(tmp_path, "raise SystemExit(4)\n")
+    with pytest.raises(epl.CaptureError) as caught:
+        epl.capture(exits)
+    assert str(caught.value) == (f"training script {exits!r} exited with 4 before creating "
+                                 "a session")
+
+
+@pytest.mark.parametrize("example, argv, layers, batch, unit", [
+    ("train_mlp.py", [], "3 layers (hidden1, hidden2, logits) in 1 TaskGraph",
+     "256 (4 replicas x 64)", 64),
+    ("bert_pipeline.py", ["--devices", "2"],
+     "6 layers (embeddings, layer_0, layer_1, layer_2, layer_3, mlm_head) in 2 TaskGraphs",
+     "64 (2 replicas x 4 micro-batches x 8)", 8),
+])
+def test_script_plans_the_run_it_predicts(capsys, example, argv, layers, batch, unit):
+    """train_mlp trains 4 x 64 = 256 per step on 4 devices; the 2-stage bert pipeline on
+    4 devices runs 2 pipelines of 4 micro-batches of 8. Input ops are known to the cost
+    model, and the script's own lines go to stderr."""
+    code, out, err = _cli(capsys, "--cluster", "1x4xT4", "--script",
+                          os.path.join(ROOT, "examples", example), "--", "--steps", "1", *argv)
+    assert code == 0, err
+    model_line, batch_line = out.splitlines()[:2]
+    total = batch.split()[0]
+    assert layers in model_line and f"global batch {total};" in model_line
+    assert batch_line.startswith(f"Batch: global batch {batch} per step of this script on "
+                                 "this cluster; the script's batch ")
+    assert batch_line.endswith(f"; {unit} per (replica, micro-batch)")
+    assert "does not know" not in out
+    name = example.split(".")[0]
+    assert f"{name}: " in err and f"{name}: " not in out.split("\n", 1)[1]
+
+
+def test_script_in_global_batch_mode_slices_each_workers_batch(capsys, tmp_path):
+    path = _script(tmp_path, """
+epl.init(epl.Config({"io.batch_mode": "global"}))
+x = tf.compat.v1.placeholder(tf.float32, [64, 8])
+loss = tf.reduce_mean(tf.compat.v1.layers.dense(x, 2))
+tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+tf.compat.v1.Session()
+""")
+    code, out, err = _cli(capsys, "--cluster", "2x4xT4", "--script", path, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["script_batch"] == {"global_batch": 128, "workers": 2, "replicas_per_worker": 4,
+                                    "micro_batches": 1, "batch_mode": "global",
+                                    "script_batch": 64}
+    assert plan["model"]["model_layers"] == ["dense"]
+
+
+def test_model_layers_are_the_scopes_of_the_variables():
+    from epl.planner.graph_model import model_layer_names
+    assert model_layer_names(["hidden1/kernel", "hidden1/bias", "hidden2/kernel",
+                              "logits/kernel"]) == ("hidden1", "hidden2", "logits")
+    assert model_layer_names(["dense/kernel", "dense/bias"]) == ("dense",)
+    assert model_layer_names(["model/l1/w", "model/l2/w", "model/l1/b"]) == ("l1", "l2")
+    assert model_layer_names(["position", "layer_0/attention/w", "layer_1/attention/w"]) == (
+        "position", "layer_0", "layer_1")
+    assert model_layer_names([]) == ()

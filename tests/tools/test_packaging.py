@@ -26,7 +26,7 @@ def test_epl_is_the_only_installed_top_level_package(monkeypatch):
     assert {name.split(".")[0] for name in packages} == {"epl"}
     assert "package_dir" not in arguments
     scripts = dict(line.split("=", 1) for line in arguments["entry_points"]["console_scripts"])
-    assert sorted(scripts) == ["epl-dump", "epl-launch", "epl-plan"]
+    assert sorted(scripts) == ["epl-dump", "epl-env", "epl-launch", "epl-plan"]
     for target in scripts.values():
         module, function = target.split(":")
         assert module.startswith("epl.tools.") and function == "main"

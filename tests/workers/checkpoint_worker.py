@@ -19,10 +19,19 @@ steps and losses it ran, and its variables at the end.
 
 Each worker prints "rank R step S <time>" after each step (for bench/recovery.py).
 
+SAVE_FAULT=KIND@STEP[@MARKER] (environment): after global step STEP, rank 0
+breaks its next save: "quota" (no file of the process may grow past 100
+bytes: RLIMIT_FSIZE, a quota that runs out), "full" (a filler file takes all
+the space left on CKPT_DIR's filesystem: meant for a tiny one) or "rmdir"
+(CKPT_DIR is removed). With MARKER, only while that file does not exist (it is
+created), so that a restarted job saves again.
+
 usage: checkpoint_worker.py MODE OUT_DIR CKPT_DIR [KILL_AT [KILL_RANK [WHEN]]]
 """
 import json
 import os
+import resource
+import shutil
 import signal
 import sys
 import time
@@ -59,6 +68,36 @@ class _ReadAtEnd(tf.compat.v1.train.SessionRunHook):
                                     in zip(self.variables, session.run(self.variables))}
 
 
+class _BreakNextSave(tf.compat.v1.train.SessionRunHook):
+    """SAVE_FAULT: after global step `step`, make the next save fail (see the docstring)."""
+
+    def __init__(self, global_step, root: str):
+        kind, step, *marker = os.environ["SAVE_FAULT"].split("@")
+        self.global_step, self.root, self.kind, self.step = global_step, root, kind, int(step)
+        self.marker = marker[0] if marker else None
+
+    def after_run(self, run_context, run_values):
+        if int(run_context.session.run(self.global_step)) != self.step:
+            return
+        if self.marker:
+            if os.path.exists(self.marker):
+                return
+            open(self.marker, "w").close()
+        print(f"rank 0 breaks its next save ({self.kind}) {time.time():.3f}", flush=True)
+        if self.kind == "quota":
+            resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))
+        elif self.kind == "rmdir":
+            shutil.rmtree(self.root)
+        elif self.kind == "full":
+            with open(os.path.join(self.root, "filler"), "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:  # no space left on the device
+                    pass
+
+
 def main():
     mode, out_dir, root = sys.argv[1], sys.argv[2], sys.argv[3]
     kill_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -72,6 +111,8 @@ def main():
         x, y, loss, train_op, variables = build(STEP_BATCH, True, "adam")
         global_step = variables[-1]
         hooks = [tf.compat.v1.train.StopAtStepHook(last_step=STEPS), _ReadAtEnd(variables, record)]
+        if os.environ.get("SAVE_FAULT") and rank == 0:
+            hooks.append(_BreakNextSave(global_step, checkpoint_dir(mode, root, rank)))
         with tf.compat.v1.train.MonitoredTrainingSession(
                 checkpoint_dir=checkpoint_dir(mode, root, rank), save_checkpoint_steps=SAVE_EVERY,
                 save_summaries_steps=None, save_summaries_secs=None, hooks=hooks) as sess:

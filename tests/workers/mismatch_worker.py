@@ -1,9 +1,14 @@
 """Worker script: workers whose EPL graphs differ get a clear error, not a hang.
 
-usage: mismatch_worker.py MODE   (MODE: extra_layer | shape | fetch)
-Rank 1 adds a layer (extra_layer), uses a wider hidden layer (shape), or
-fetches only the train op while rank 0 fetches the loss too (fetch).
+usage: mismatch_worker.py MODE [KEY=VALUE,...]
+  MODE: extra_layer | shape | fetch | config | version
+Rank 1 adds a layer (extra_layer), uses a wider hidden layer (shape),
+fetches only the train op while rank 0 fetches the loss too (fetch), sets the
+config keys KEY=VALUE (JSON values; rank 0 keeps the defaults) (config), or
+reports another EPL version (version).
 """
+import json
+import os
 import sys
 
 import numpy as np
@@ -15,9 +20,16 @@ import epl
 def main():
     mode = sys.argv[1]
     tf.compat.v1.disable_eager_execution()
-    epl.init(epl.Config({"cluster.virtual_devices": 2, "communication.collective_timeout_s": 30,
-                         "communication.fusion_threshold_mb": 1e-6}))
-    rank = epl.Cluster.current().worker_rank
+    config = {"cluster.virtual_devices": 2, "communication.collective_timeout_s": 30,
+              "communication.fusion_threshold_mb": 1e-6}
+    rank = int(os.environ["HOROVOD_RANK"])
+    if mode == "config" and rank == 1:
+        for item in sys.argv[2].split(","):
+            key, value = item.split("=", 1)
+            config[key] = json.loads(value)
+    if mode == "version" and rank == 1:
+        epl.__version__ = "0.0.9"
+    epl.init(epl.Config(config))
     hidden = 6 if (mode == "shape" and rank == 1) else 4
     x = tf.compat.v1.placeholder(tf.float32, [4, 3])
     with epl.replicate(1):
@@ -30,7 +42,9 @@ def main():
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             fetches = [loss, train] if (mode == "fetch" and rank == 0) else [train]
-            sess.run(fetches, {x: np.ones([8, 3])})   # both replicas' batches of 4
+            # every (replica, micro-batch) unit's batch of 4
+            units = 2 * int(config.get("pipeline.num_micro_batch", 1))
+            sess.run(fetches, {x: np.ones([4 * units, 3])})
     except epl.ClusterError as err:
         print(f"EPL-ERROR rank {rank}: {err}", flush=True)
         sys.exit(3)

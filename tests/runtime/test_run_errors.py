@@ -1,0 +1,202 @@
+"""Run-time errors in the user's terms (epl.runtime.run_errors, epl.checkpoint.damage).
+
+A model with two replicas (two virtual devices), so that TensorFlow's errors
+name EPL's copies (`EPL_REPLICA_1/...`, `EPL_FEED/IteratorGetNext`); each test
+checks the exact sentence EPL puts in front, that no copy's name is left, and
+that the error is still the class TensorFlow raised (or a CheckpointError for
+a checkpoint that cannot be read or written).
+"""
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from epl.checkpoint.damage import diagnose, last_good
+from epl.errors import CheckpointError
+from epl.runtime.run_errors import user_names
+from multiworker import run_job, worker_script
+
+ROWS = 4
+
+
+def _model(epl_env, batches=4):
+    """A dense model on a tf.data input of `batches` batches, 2 replicas."""
+    epl_env({"cluster.virtual_devices": 2})
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones([batches * ROWS, 3], np.float32), np.ones([batches * ROWS, 1], np.float32)))
+    x, y = tf.compat.v1.data.make_one_shot_iterator(
+        data.batch(ROWS, drop_remainder=True)).get_next()
+    import epl
+    with epl.replicate(1):
+        hidden = tf.compat.v1.layers.dense(x, 4, name="hidden")
+        loss = tf.reduce_mean(tf.square(tf.compat.v1.layers.dense(hidden, 1, name="out") - y))
+    step = tf.compat.v1.train.get_or_create_global_step()
+    return tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+
+
+def test_user_names_replaces_copies_by_the_users_ops():
+    origins = {"EPL_REPLICA_1/out/kernel": ("out/kernel", "replica 1"),
+               "EPL_FEED/IteratorGetNext": ("IteratorGetNext", "replica 1")}
+    assert user_names("Could not find variable EPL_REPLICA_1/out/kernel. (Could not find "
+                      "resource: localhost/EPL_REPLICA_1/out/kernel) "
+                      "[[EPL_FEED/IteratorGetNext/_31]] x:0 EPL_REPLICA_1/out/kernel:0",
+                      origins) == (
+        "Could not find variable out/kernel (replica 1's copy). (Could not find resource: "
+        "localhost/out/kernel (replica 1's copy)) [[IteratorGetNext (replica 1's copy)]] x:0 "
+        "out/kernel (replica 1's copy):0")
+
+
+def test_uninitialized_variable_names_the_users_variable(epl_env):
+    with tf.Graph().as_default():
+        train = _model(epl_env)
+        with tf.compat.v1.Session() as sess:
+            with pytest.raises(tf.errors.FailedPreconditionError) as info:
+                sess.run(train)
+    message = str(info.value.message)
+    assert re.match(
+        r"at an unknown global step \(it cannot be read\): variable (hidden|out)/(kernel|bias) "
+        r"is not initialized: run tf\.compat\.v1\.global_variables_initializer\(\) before the "
+        r"first step \(or let MonitoredTrainingSession initialize or restore it\)\. "
+        r"TensorFlow's error, with your names for EPL's copies: Graph execution error:", message)
+    assert "EPL_" not in message
+    assert not info.value.op.name.startswith("EPL_")
+
+
+def test_end_of_data_says_how_many_batches_a_step_draws(epl_env):
+    with tf.Graph().as_default():
+        train = _model(epl_env, batches=4)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            sess.run(train)
+            with pytest.raises(tf.errors.OutOfRangeError) as info:
+                sess.run(train)
+    message = str(info.value.message)
+    assert message.startswith(
+        "at global step 2: the input ran out of data: IteratorGetNext has no more batches (each "
+        "step draws 2 batches from it: one per replica and micro-batch, io.batch_mode "
+        "'replica'); repeat the dataset (Dataset.repeat) or stop at "
+        "tf.errors.OutOfRangeError. TensorFlow's error, with your names for EPL's copies: "
+    ), message
+    assert "EPL_" not in message
+    assert info.value.op.name == "IteratorGetNext"
+
+
+# --------------------------------------------------------------------------
+# checkpoints: damaged files (restore) and failed saves
+# --------------------------------------------------------------------------
+
+
+def _train(epl_env, root, last_step, break_at=None, breaker=None):
+    """MonitoredTrainingSession with a checkpoint every 3 steps in `root`; at global step
+    `break_at`, `breaker()` runs (it breaks the next save)."""
+    with tf.Graph().as_default():
+        epl_env({"cluster.virtual_devices": 2})
+        import epl
+        x = tf.compat.v1.placeholder(tf.float32, [ROWS, 3])
+        with epl.replicate(1):
+            loss = tf.reduce_mean(tf.compat.v1.layers.dense(x, 2, name="out"))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+
+        class Break(tf.compat.v1.train.SessionRunHook):
+            def after_run(self, run_context, run_values):
+                if breaker and run_context.session.run(step) == break_at:
+                    breaker()
+
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                checkpoint_dir=str(root), save_checkpoint_steps=3, save_summaries_steps=None,
+                save_summaries_secs=None, log_step_count_steps=None,
+                hooks=[tf.compat.v1.train.StopAtStepHook(last_step=last_step), Break()]) as sess:
+            while not sess.should_stop():
+                sess.run(train, {x: np.ones([2 * ROWS, 3])})
+
+
+@pytest.fixture
+def checkpoints(epl_env, tmp_path):
+    """A directory with EPL's checkpoints of steps 0 and 3."""
+    root = tmp_path / "ckpt"
+    _train(epl_env, root, 3)
+    return root
+
+
+DAMAGE = {
+    "truncated data": (".data-00000-of-00001", lambda p: os.truncate(p, 10),
+                       "its data file {p}.data-00000-of-00001 (10 bytes) is shorter than its "
+                       "index says: variable out/bias lies past its end (cut short: the save did "
+                       "not finish, or the file was truncated; TensorFlow: Read less bytes than "
+                       "requested)"),
+    "garbage index": (".index", lambda p: open(p, "wb").write(b"not a checkpoint index" * 20),
+                      "its index file {p}.index is not a checkpoint index: it is damaged, or "
+                      "another file (TensorFlow: not an sstable (bad magic number))"),
+    "short index": (".index", lambda p: os.truncate(p, 20),
+                    "its index file {p}.index is cut short (20 bytes; TensorFlow: file is too "
+                    "short to be an sstable)"),
+    "deleted data": (".data-00000-of-00001", os.remove,
+                     "its data file {p}.data-00000-of-... is missing (deleted?)"),
+    "deleted index": (".index", os.remove,
+                      "its index file {p}.index is missing (deleted, or the save did not "
+                      "finish)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_checkpoint_is_named_with_its_file_and_what_is_wrong(epl_env, checkpoints,
+                                                                     kind):
+    suffix, damage_it, problem = DAMAGE[kind]
+    prefix = str(checkpoints / "model.ckpt-3")
+    damage_it(prefix + suffix)
+    assert diagnose(prefix) == problem.format(p=prefix)
+    with pytest.raises(CheckpointError) as info:
+        _train(epl_env, checkpoints, 6)
+    assert str(info.value) == (
+        "cannot restore the checkpoint %s: %s. An older checkpoint in %s is intact: %s; to "
+        "resume from it, name it as model_checkpoint_path in %s." % (
+            prefix, problem.format(p=prefix), checkpoints, checkpoints / "model.ckpt-0",
+            checkpoints / "checkpoint"))
+    assert last_good(str(checkpoints)) == str(checkpoints / "model.ckpt-0")
+
+
+def test_intact_checkpoint_has_nothing_wrong(checkpoints):
+    assert diagnose(str(checkpoints / "model.ckpt-3")) is None
+    assert last_good(str(checkpoints)) == str(checkpoints / "model.ckpt-3")
+
+
+def test_save_that_runs_out_of_quota_names_the_path_and_keeps_the_last_good_one(tmp_path):
+    """A quota that runs out after the first save (tests/workers/checkpoint_worker.py,
+    SAVE_FAULT: no file of the process may grow past 100 bytes): the second save (step
+    10) cannot write. TensorFlow says OutOfRangeError ("File too large"), which
+    MonitoredTrainingSession would take for the end of the data, ending the job as if
+    training had finished; EPL ends it with the path and the reason instead, and the
+    checkpoint of step 5 stays the last one, intact."""
+    out, root = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    job = run_job([sys.executable, worker_script("checkpoint_worker.py"), "rank0", str(out),
+                   str(root)], 300, env={"SAVE_FAULT": "quota@7"})
+    assert job.returncode == 1, job.stdout[-3000:]
+    errors = [line for line in job.text if line.startswith("epl.errors.CheckpointError: ")]
+    assert len(errors) == 1, job.stdout[-3000:]
+    assert re.fullmatch(
+        r"epl\.errors\.CheckpointError: at global step 10: saving the checkpoint %s failed: a "
+        r"file-size limit was reached \(a quota; TensorFlow: %s_temp/part-00000-of-00001\.[\w.-]+\."
+        r"tempstate\d+; File too large\)\. The last good checkpoint, %s, is intact \(%s names "
+        r"it\): a restarted job resumes from it\." % tuple(re.escape(str(p)) for p in (
+            root / "model.ckpt-10", root / "model.ckpt-10", root / "model.ckpt-5",
+            root / "checkpoint")), errors[0]), errors[0]
+    assert tf.train.latest_checkpoint(str(root)) == str(root / "model.ckpt-5")
+    assert diagnose(str(root / "model.ckpt-5")) is None
+    assert not list(out.iterdir())  # it did not end as if it had finished
+
+
+def test_save_into_a_removed_directory_names_it(epl_env, tmp_path):
+    root = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError) as info:
+        _train(epl_env, root, 9, break_at=4, breaker=lambda: shutil.rmtree(root))
+    assert str(info.value) == (
+        "at global step 6: saving the checkpoint %s failed: its directory %s no longer exists "
+        "(TensorFlow: %s_temp; No such file or directory). No intact checkpoint is left in %s."
+        % (root / "model.ckpt-6", root, root / "model.ckpt-6", root))
