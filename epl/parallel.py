@@ -208,9 +208,6 @@ class ParallelGraph:
     # io.batch_mode "replica": user's static-batch placeholder -> FeedRedirect (the
     # session moves a feed of it onto EPL's placeholder of every unit's rows)
     feeds: dict = dataclasses.field(default_factory=dict)
-    # every output of the ops that draw a step's batches from the user's iterators
-    # (gradient_check feeds them to the first step: the check consumes no input)
-    drawn: tuple = ()
     # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
     tracer: object = None
     # the replicate pass's record (epl/passes/replication/result.py): every unit's copies
@@ -362,7 +359,6 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)
-    result.drawn = tuple(t for op in replication.draws for t in op.outputs)
     result.tracer = make_tracer(config, cluster, graph)
     result.replication = replication
     result.ops_after_rewrite = len(graph.get_operations())

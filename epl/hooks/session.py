@@ -257,17 +257,19 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
             cache[key] = plan
     if feed_dict:
         feed_dict = _redirect_feeds(result, feed_dict)
-    if result.gradient_check is not None and result.gradient_check_max_diff is None \
-            and plan.trains:   # the first step then uses the batch the check drew
-        feed_dict = {**(feed_dict or {}), **_check_gradients(self, result, feed_dict)}
+    check = result.gradient_check is not None and result.gradient_check_max_diff is None \
+        and plan.trains   # compared in the first training run itself (_check_gradients)
+    fetches = [plan.fetches, gradient_pairs(*result.gradient_check)] if check else plan.fetches
     started = time.time()
     with _user_terms(self, result, plan, feed_dict):
         if plan.gather:
             _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
         if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
             options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
-        values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
+        values = _bounded(result, lambda: _ORIGINAL["run"](self, fetches, feed_dict, options,
                                                           run_metadata), self, plan, "fetch")
+        if check:
+            values = _check_gradients(result, values)
         if result.tracer is not None:
             result.tracer.after_run(run_metadata)
         if plan.sync:
@@ -366,23 +368,19 @@ def _copies_of(result: ParallelGraph, tensor) -> list:
     return cache[tensor]
 
 
-def _check_gradients(session, result: ParallelGraph, feed_dict) -> dict:
-    """gradient_checkpoint.check_gradients: compare the values before the first step.
-
-    The comparison run draws the step's batches from the user's iterators; it
-    returns them as a feed of the draws' outputs, so the first training step
-    uses exactly those batches and the iterator is not advanced twice.
-    """
+def _check_gradients(result: ParallelGraph, values: list):
+    """gradient_checkpoint.check_gradients: the first training run also fetched both
+    gradient lists (without checkpointing, on the same forward copies: no extra draw
+    from the input or the random ops, so training is exactly as without the check);
+    log their largest difference and return the run's own values."""
     reference, checkpointed = result.gradient_check
-    drawn = list(result.drawn)
-    values, drawn_values = _ORIGINAL["run"](
-        session, [gradient_pairs(reference, checkpointed), drawn], feed_dict)
-    result.gradient_check_max_diff = gradient_difference(values, reference, checkpointed)
+    values, pairs = values
+    result.gradient_check_max_diff = gradient_difference(pairs, reference, checkpointed)
     logging.getLogger(__name__).warning(
         "gradient_checkpoint.check_gradients: largest absolute difference between the "
         "gradients with and without checkpointing on the first step: %.3g",
         result.gradient_check_max_diff)
-    return dict(zip(drawn, drawn_values))
+    return values
 
 
 def _bounded(result: ParallelGraph, run, session, plan: _RunPlan, part: str):

@@ -90,8 +90,9 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
                           "ReadVariableOp": 3, "SelectV2": 3}, 9),
     "offload": ({}, 51),   # variables and the ops on their handles moved to the host
     # batch norm's two moving statistics: the mean over the two units (weight x part,
-    # summed), read by each replica's write of them
-    "consistency": ({"AddN": 2, "Const": 4, "Mul": 4}, 4),
+    # summed), read by each replica's write of them (4); the units' backward ops, built
+    # under control_dependencies(UPDATE_OPS), no longer wait for the writes (71)
+    "consistency": ({"AddN": 2, "Const": 4, "Mul": 4}, 75),
     "verify": ({}, 0),     # checks only
 }
 
