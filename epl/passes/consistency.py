@@ -118,6 +118,8 @@ class ConsistencyPass(GraphPass):
         waits = _wait_for_every_unit(view, replication)
         firsts = _read_first_unit(view, replication)
         after = _read_after_adds(writes, replication)
+        if ctx.communicator.num_workers > 1:
+            after += _sum_over_workers(writes, replication, ctx.communicator)
         counts = {kind.value: len(writes.of_kind(kind)) for kind in WriteKind}
         ctx.provide(ConsistentValues(tuple(clean), counts))
         added = [op.name for op in graph.get_operations()[first:]]
@@ -222,6 +224,33 @@ def _wait_for_every_unit(view: TrainingView, replication: Replication) -> int:
             waits += [c for c in copies if c is not None] if control in templates else [control]
         graph_mutation.add_control_inputs(op, waits)
         count += 1
+    return count
+
+
+def _sum_over_workers(writes, replication: Replication, communicator) -> int:
+    """With several workers, a read of a shared accumulator by an op outside the copies
+    (a metric's value and update ops) reads its sum over every worker: the metric over
+    the job's global batch (every worker must then run those reads in the same runs,
+    as for the merged loss). Returns how many reads were rewired."""
+    shared = writes.shared_variables
+    copied = {c for unit in replication.units()
+              for c in replication.forward_copies[unit].values()}
+    count = 0
+    for var in sorted(shared, key=lambda op: op._id):
+        handle = var.outputs[0]
+        # in name order: every worker builds its collectives in the same order
+        reads = sorted((c for c in handle.consumers() if c.type in ("ReadVariableOp", "Identity")
+                        and c not in copied), key=lambda op: op.name)
+        for read in reads:
+            readers = [c for c in read.outputs[0].consumers() if c not in copied]
+            if not readers:
+                continue
+            with tf.device(read.device), tf.name_scope(SCOPE):
+                total = communicator.workers_all_reduce(read.outputs[0], "sum",
+                                                        label=f"the metric total {var.name}")
+            for reader in readers:
+                replace_input(reader, read.outputs[0], total)
+                count += 1
     return count
 
 

@@ -105,7 +105,7 @@ def find_region(view, level: str) -> Region:
     region = _grow(apply, params, owner)
     while True:   # the optimizer state: what the region writes besides the params
         found = {}
-        for op in region:
+        for op in sorted(region, key=lambda o: o.name):   # the same order on every worker
             written = variable_written(op)
             states = (_handles(op)[1:] if op.type.startswith("ResourceApply") else []) + (
                 [written] if written is not None and written not in owner else [])
@@ -254,7 +254,8 @@ def shard_region(graph: tf.Graph, region: Region, replication, grads_of: dict, w
     index = {k: rank * replicas + position[k] for k in range(replicas)}
     built = [dict() for _ in range(replicas)]       # per replica: template tensor -> value
     done_ops = [dict() for _ in range(replicas)]    # per replica: template op -> built op
-    states = {s: p for s, p in region.owner.items() if s not in region.params}
+    states = {s: region.owner[s] for s in sorted(region.owner, key=lambda o: o.name)
+              if s not in region.params}   # by name: every worker builds the same collectives
     state_shards = {s: [None] * replicas for s in states}
     current = [dict() for _ in range(replicas)]     # per replica: param -> its shard value now
     for param, layout in layouts.items():
