@@ -41,7 +41,7 @@ import tensorflow as tf
 from epl.errors import ParallelizeError, PassError
 from epl.graph_keys import merge_requests
 from epl.ir import graph_mutation
-from epl.ir.clone import replace_input, with_dynamic_rows
+from epl.ir.clone import replace_input
 from epl.ir.consistency import WriteKind
 from epl.ir.graph_view import TrainingView
 from epl.passes.manager import GraphPass, PassContext, PassResult
@@ -274,7 +274,9 @@ def _read_first_unit(view: TrainingView, replication: Replication) -> int:
                 value = copy.outputs[tensor.value_index]
                 if not value.shape.is_compatible_with(tensor.shape):  # a slice (global mode)
                     with tf.device(value.device), tf.name_scope(SCOPE):
-                        value = with_dynamic_rows(value, tensor)
+                        value = tf.compat.v1.placeholder_with_default(
+                            value, [None] * value.shape.rank if value.shape.rank is not None
+                            else None, name="EPL_ROWS")
                 replace_input(op, tensor, value)
                 count += 1
     return count
