@@ -227,6 +227,9 @@ def check_replica_consistency(view, replication, consistent, gradients=None,
     replicated = {copy for copies in replication.mirrors.values() for copy in copies}
     clean = list(replication.merged.values()) + list(consistent.clean if consistent else ())
     clean += list(reduced.gathered if reduced is not None else ())
+    # a split variable's gradient: one autodiff over every replica's loss, one tensor
+    clean += [t for _, g in replication.split_gradients
+              for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]
     if gradients is not None and len(replication.replica_maps) == 1 and workers == 1:
         clean += [t for _, grads, _ in gradients.entries for g in grads if g is not None
                   for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]

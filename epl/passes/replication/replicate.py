@@ -284,7 +284,8 @@ def _place(graph, view, plan) -> None:
     mirrored = set(view.variables)
     for op in graph.get_operations():
         taskgraph = view.taskgraph_of.get(op)
-        if taskgraph is not None and taskgraph.name in split and op not in mirrored:
+        if taskgraph is not None and taskgraph.name in split and op not in mirrored \
+                and op.device:   # split ops keep their devices; the script's others follow
             continue
         if op in replica or (op in view.taskgraph_of and op.type in ("VarHandleOp", "VariableV2")):
             graph_mutation.set_device(op, plan.device(view.taskgraph_of[op], 0))
