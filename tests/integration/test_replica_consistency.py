@@ -387,3 +387,25 @@ def test_the_refusals_remedy_gives_the_value_over_the_global_batch():
     reference = _run(_tracking_script, None, collect=True)
     result = _run(_tracking_script, DP, collect=True)
     _assert_same(result, reference, ["losses"])
+
+
+def test_a_write_from_a_concatenated_merge_is_refused_with_the_collection_to_use():
+    env.reset()
+    epl.init(epl.Config(DP))
+    with tf.Graph().as_default() as graph:
+        x, y, _ = _inputs("placeholder", B)
+        loss = _model(x, y)
+        rows = x * 2.0
+        epl.add_to_collection(rows, epl.GraphKeys.GLOBAL_CONCAT_OBJECTS)
+        feature_mean = tf.Variable(tf.zeros([FEATURES]), trainable=False, name="feature_mean")
+        with tf.control_dependencies([feature_mean.assign(tf.reduce_mean(rows, axis=0))]):
+            tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.raises(epl.PassError) as err:
+            epl.parallelize(graph)
+    env.reset()
+    assert str(err.value) == (
+        "pass 'consistency' rejected the graph before any rewrite: variable feature_mean is "
+        "written by AssignVariableOp (AssignVariableOp) from mul:0, which is in "
+        "epl.GraphKeys.GLOBAL_CONCAT_OBJECTS: its merge holds every replica's rows, another "
+        "shape than the write reads. Write it from a mean or a sum over the rows "
+        "(GLOBAL_MEAN_OBJECTS or GLOBAL_SUM_OBJECTS) instead.")

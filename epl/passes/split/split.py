@@ -1106,7 +1106,7 @@ def _bias_add(rw: _Rewriter, op, layouts):
     last = x.shape.rank - 1 if x.shape.rank is not None else None
     if lx.axis == last:
         sb = _as_sharded(rw, lb, bias, 0, lx.sizes) if isinstance(lb, (Pending, Sharded)) else \
-            rw.slice(rw.value(lb, bias), 0, lx.sizes)
+            rw.slice(rw.value(lb, bias), 0, lx.sizes, sum(lx.sizes), f"{op.name} ({op.type})")
         if sb is None:
             return None
         parts = [sb.parts[j] for j in range(rw.k)]
@@ -1247,7 +1247,8 @@ def _softmax_ce(rw: _Rewriter, op, layouts):
     if not isinstance(ll, Sharded) or ll.axis != logits.shape.rank - 1 or op.outputs[1].consumers():
         return None
     sl = lab if isinstance(lab, Sharded) and lab.axis == ll.axis and lab.sizes == ll.sizes \
-        else (rw.slice(rw.value(lab, labels), ll.axis, ll.sizes) if _is_full(lab) else None)
+        else (rw.slice(rw.value(lab, labels), ll.axis, ll.sizes, sum(ll.sizes),
+                       f"{op.name} ({op.type})") if _is_full(lab) else None)
     if sl is None:
         return None
     log_sum = _softmax_parts(rw, op, ll)
