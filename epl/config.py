@@ -320,6 +320,13 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "micro-batch; each replica and micro-batch draws its own) or 'global' (the "
             "worker's whole batch, sliced among its replicas and micro-batches).",
             allowed=("replica", "global")),
+    # batch_norm (successor)
+    KeySpec("batch_norm.moving_statistics", "str", "replica0",
+            "What moves batch norm's moving mean and variance (the writes in "
+            "tf.GraphKeys.UPDATE_OPS), once per step on every replica: 'replica0' (the "
+            "first replica's first micro-batch, Horovod's rank 0) or 'mean' (the mean over "
+            "every replica and micro-batch, MirroredStrategy's).",
+            allowed=("replica0", "mean")),
     # auto
     KeySpec("auto.auto_parallel", "bool", False,
             "Let the planner choose the parallel strategy (experimental)."),

@@ -38,6 +38,7 @@ from epl.observability.trace import make_tracer
 from epl.passes.annotate import AnnotatePass
 from epl.passes.amp import AmpPass
 from epl.passes.apply_groups import ApplyGroupsPass
+from epl.passes.consistency import ConsistencyPass
 from epl.passes.gradient_comm import GradientCommPass
 from epl.passes.manager import (DumpInstrument, FingerprintInstrument, PassContext, PassManager,
                                 TimingInstrument)
@@ -66,7 +67,8 @@ from epl.runtime.communicators import make_communicator
 GRADIENT_TIME_PASSES = (("split", SplitPass),)
 TRAINING_PASSES = (
     ("auto_stages", AutoStagesPass), ("annotate", AnnotatePass), ("amp", AmpPass),
-    ("recompute", RecomputePass), ("replicate", ReplicatePass), ("accumulate", AccumulatePass),
+    ("recompute", RecomputePass), ("replicate", ReplicatePass), ("consistency", ConsistencyPass),
+    ("accumulate", AccumulatePass),
     ("unscale", UnscalePass), ("schedule", SchedulePass), ("zero", ZeroPass),
     ("gradient_comm", GradientCommPass), ("apply_groups", ApplyGroupsPass),
     ("skip_on_overflow", SkipOnOverflowPass), ("offload", OffloadPass), ("verify", VerifyPass))
@@ -206,11 +208,14 @@ class ParallelGraph:
     # io.batch_mode "replica": user's static-batch placeholder -> FeedRedirect (the
     # session moves a feed of it onto EPL's placeholder of every unit's rows)
     feeds: dict = dataclasses.field(default_factory=dict)
-    # every output of the ops that draw a step's batches from the user's iterators
-    # (gradient_check feeds them to the first step: the check consumes no input)
-    drawn: tuple = ()
     # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
     tracer: object = None
+    # the replicate pass's record (epl/passes/replication/result.py): every unit's copies
+    # and the mirrors; the session feeds every copy of a fed tensor, and answers a fetch
+    # of a per-replica tensor with the first unit's copy
+    replication: object = None
+    # the graph's op count once rewritten: a fetch of a newer op was built afterwards
+    ops_after_rewrite: int = 0
     # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
     # run-time errors in the user's terms (epl.passes.replication.origins)
     origins: dict = dataclasses.field(default_factory=dict)
@@ -354,8 +359,9 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     if zero is not None:
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)
-    result.drawn = tuple(t for op in replication.draws for t in op.outputs)
     result.tracer = make_tracer(config, cluster, graph)
+    result.replication = replication
+    result.ops_after_rewrite = len(graph.get_operations())
     result.origins = copy_origins(replication)
     record.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)

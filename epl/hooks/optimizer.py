@@ -23,14 +23,13 @@ import inspect
 import tensorflow as tf
 
 from epl.env import get_config, is_initialized
-from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
 from epl.ir.autodiff import inside_internal_autodiff, internal_autodiff
 from epl.hooks.record import check_graph_mode, record_of
 from epl.ir.taskgraph import TrainStep
 from epl.parallel import run_gradient_time_pipeline
-from epl.checkpoint.sharded_variable import expand_views
+from epl.checkpoint.sharded_variable import expand_views, sharded_of
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _ORIGINAL = {}
@@ -111,7 +110,7 @@ def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Optimizer.apply_gradients, tagged as the apply phase; records the train op."""
     if not is_initialized():
         return _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
-    grads_and_vars = tuple(grads_and_vars)
+    grads_and_vars = tuple(shard_pairs(grads_and_vars))
     graph = _graph_of(grads_and_vars)
     first = len(graph.get_operations())
     train_op = _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
@@ -133,12 +132,46 @@ def _graph_of(grads_and_vars) -> tf.Graph:
 
 
 def _matching_step(record, grads_and_vars):
-    """The recorded step whose variables the apply call updates (latest first)."""
+    """The recorded step whose gradients the apply call updates its variables with
+    (latest first): one whose variables it updates, from values computed from that
+    step's gradients. An apply call fed from other values (the accumulators of an
+    accumulate-then-apply wrapper, read in a later session.run) is a step of its own."""
     applied = {id(v) for _, v in grads_and_vars}
     for step in reversed(record.train_steps):
-        if step.train_op is None and {id(v) for _, v in step.grads_and_vars} & applied:
+        if step.train_op is None and {id(v) for _, v in step.grads_and_vars} & applied \
+                and _computed_from(grads_and_vars, step):
             return step
     return None
+
+
+def _computed_from(grads_and_vars, step) -> bool:
+    """True if a gradient of the apply call is one of `step`'s gradients or is computed
+    from one (clipping, scaling) through data edges. Only ops created since the step's
+    autodiff are searched (its gradients are among them)."""
+    targets = set()
+    for grad, _ in step.grads_and_vars:
+        for tensor in ([grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices)
+                       else [grad] if grad is not None else []):
+            targets.add(tensor.op)
+    if not targets:
+        return False
+    first = min(op._id for op in targets)
+    stack = []
+    for grad, _ in grads_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            stack += [grad.values.op, grad.indices.op]
+        elif isinstance(grad, tf.Tensor):
+            stack.append(grad.op)
+    seen = set()
+    while stack:
+        op = stack.pop()
+        if op in targets:
+            return True
+        if op in seen or op._id < first:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+    return False
 
 
 def _user_gradients(original, *args, **kwargs):
@@ -158,39 +191,99 @@ def _user_gradients(original, *args, **kwargs):
         call["colocate_gradients_with_ops"] = True
     ys, xs = call["ys"], call["xs"]
     graph = tf.compat.v1.get_default_graph()
-    _refuse_split(graph)
+    loss = ys[0] if isinstance(ys, (list, tuple)) and len(ys) == 1 else ys
+    variables = list(xs) if isinstance(xs, (list, tuple)) else [xs]
+    if isinstance(loss, tf.Tensor) and _has_split(graph):   # split the forward first
+        split_before_autodiff(graph, loss, variables)
+        call["xs"] = expand_views(variables)
     first = len(graph.get_operations())
     with internal_autodiff():
         grads = original(*bound.args, **bound.kwargs)
-    loss = ys[0] if isinstance(ys, (list, tuple)) and len(ys) == 1 else ys
-    variables = list(xs) if isinstance(xs, (list, tuple)) else [xs]
-    pairs = [(g, x) for g, x in zip(grads, variables) if isinstance(x, tf.Variable)]
+    sparse_as_dense = bool(get_config().get("communication.sparse_as_dense"))
+    if sparse_as_dense:   # as compute_gradients: the script gets (and reduces) dense ones
+        grads = [_densify(g) for g in grads]
+    pairs = [(g, x) for g, x in zip(grads, call["xs"]) if isinstance(x, tf.Variable)]
+    backward = graph.get_operations()[first:]   # not the concatenation of shards' gradients
+    grads = _whole_gradients(grads, variables, call["xs"])
     if isinstance(loss, tf.Tensor) and pairs:
         grad_ys = call.get("grad_ys")
         kwargs_ = dict(gate_gradients=_Optimizer.GATE_OP if call.get("gate_gradients")
                        else _Optimizer.GATE_NONE,
                        aggregation_method=call.get("aggregation_method"),
                        grad_loss=grad_ys[0] if isinstance(grad_ys, (list, tuple)) else grad_ys,
-                       sparse_as_dense=False)
+                       sparse_as_dense=sparse_as_dense)
         record_of(graph).train_steps.append(TrainStep(
             loss=loss, grads_and_vars=pairs, gradient_kwargs=kwargs_,
-            backward_ops=graph.get_operations()[first:], from_gradients=True))
+            backward_ops=backward, from_gradients=True))
     return grads
 
 
-def _refuse_split(graph: tf.Graph) -> None:
-    """tf.gradients of a model with epl.split TaskGraphs: the split pass rewrites the
-    forward graph before autodiff, which EPL does for the optimizer's
-    compute_gradients (and minimize) only."""
+def _has_split(graph: tf.Graph) -> bool:
+    """Whether the graph has epl.split TaskGraphs (whose forward the split pass rewrites
+    before autodiff)."""
     record = record_of(graph, create=False)
-    split = [tg.spec.describe() for tg in (record.taskgraphs if record else ())
-             if tg.spec.kind == StrategyKind.SPLIT]
-    if split:
-        raise ParallelizeError(
-            f"tf.gradients was called on a model with split TaskGraph(s) {', '.join(split)}: "
-            "EPL splits the forward graph before autodiff for Optimizer.compute_gradients "
-            "and minimize only. Build the gradients with optimizer.compute_gradients(loss) "
-            "(then clip and apply_gradients as before), or replicate that part instead.")
+    return any(tg.spec.kind == StrategyKind.SPLIT for tg in (record.taskgraphs if record else ()))
+
+
+def _whole_gradients(grads: list, variables: list, differentiated: list) -> list:
+    """What tf.gradients returns for the script's `variables` (one gradient each) from the
+    gradients of `differentiated` (the variables with every split one replaced by its
+    shards): a split variable's gradient is its shards' gradients along the split axis."""
+    if len(differentiated) == len(variables):
+        return grads
+    record = record_of(tf.compat.v1.get_default_graph())
+    out, position = [], 0
+    for variable in variables:
+        sharded = sharded_of(variable)
+        count = len(sharded.shards) if sharded is not None else 1
+        mine = grads[position:position + count]
+        position += count
+        if sharded is None or any(g is None for g in mine):
+            out.append(mine[0] if sharded is None else None)
+            continue
+        whole = _concat_gradients(mine, sharded)
+        record.shard_gradients[_key(whole)] = list(zip(mine, sharded.shards))
+        out.append(whole)
+    return out
+
+
+def _key(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _concat_gradients(parts: list, sharded):
+    """The whole gradient from its shards' (dense: concatenated along the split axis;
+    sparse: rows of the full table, offset by each shard's start)."""
+    with tf.compat.v1.colocate_with(None, ignore_existing=True), tf.name_scope("EPL_SHARD_GRADS"):
+        if all(isinstance(p, tf.IndexedSlices) for p in parts) and sharded.axis == 0:
+            offsets = sharded.offsets or tuple(sum(sharded.sizes[:j]) for j in range(len(parts)))
+            return tf.IndexedSlices(
+                tf.concat([p.values for p in parts], axis=0),
+                tf.concat([p.indices + tf.cast(o, p.indices.dtype)
+                           for p, o in zip(parts, offsets)], axis=0),
+                tf.constant(list(sharded.full_shape), dtype=tf.int64))
+        dense = [tf.convert_to_tensor(p) for p in parts]
+        return tf.concat(dense, axis=sharded.axis)
+
+
+def shard_pairs(grads_and_vars) -> list:
+    """`grads_and_vars` with each (gradient, split variable) pair replaced by its shards'
+    pairs: the shards' own gradients where the gradient is the one tf.gradients
+    returned, else the gradient cut along the split axis (after clipping)."""
+    out, known = [], None
+    for grad, var in grads_and_vars:
+        sharded = sharded_of(var) if var is not None else None
+        if sharded is None or grad is None:
+            out.append((grad, var))
+            continue
+        known = known if known is not None else record_of(_key(grad).graph).shard_gradients
+        if _key(grad) in known:
+            out.extend(known[_key(grad)])
+        else:
+            dense = tf.convert_to_tensor(grad)
+            out.extend(zip(tf.split(dense, list(sharded.sizes), axis=sharded.axis),
+                           sharded.shards))
+    return out
 
 
 def install() -> None:

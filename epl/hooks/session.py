@@ -35,6 +35,7 @@ from tensorflow.python.client import session as session_lib
 
 from epl.env import CaptureStop, capturing
 from epl.hooks.record import record_of
+from epl.ir.consistency import varying_tensor
 from epl.ir.graph_view import ancestors
 from epl.parallel import ParallelGraph, needs_parallelize, parallelize
 from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
@@ -136,16 +137,53 @@ def _as_op(graph, fetch):
 
 def _remap(result: ParallelGraph, fetches):
     def one(fetch):
+        element = fetch
         if isinstance(fetch, str):
             try:
                 element = result.graph.as_graph_element(fetch)
             except (TypeError, ValueError, KeyError):
                 return fetch
-            return result.fetch_map.get(element, fetch)
-        if isinstance(fetch, tf.Tensor):
-            return result.fetch_map.get(fetch, fetch)
-        return fetch
+        if not isinstance(element, tf.Tensor):
+            return fetch
+        if element in result.fetch_map:
+            return result.fetch_map[element]
+        copy = _per_replica_fetch(result, element)
+        return fetch if copy is None else copy
     return _map_fetches(one, fetches)
+
+
+def _per_replica_fetch(result: ParallelGraph, tensor: tf.Tensor) -> tf.Tensor | None:
+    """A fetch of a tensor that has one value per replica and is in no merge collection
+    (README, "What EPL keeps consistent across replicas"): the first unit's copy
+    (replica 0, micro-batch 0), with a warning once per tensor naming the collections;
+    a tensor built after the rewrite on such tensors (it runs the model as replica 0
+    sees it) gets the warning too. Returns the copy, or None to fetch `tensor` itself."""
+    replication = result.replication
+    if replication is None or not replication.forward_copies:
+        return None
+    first = replication.units()[0]
+    copy = replication.copy_in(tensor, first)
+    warned = result.__dict__.setdefault("_epl_warned_fetches", set())
+    if copy is None:
+        templates = result.__dict__.get("_epl_templates")
+        if templates is None:
+            templates = result.__dict__["_epl_templates"] = set(
+                replication.forward_copies[first])
+        if tensor.name in warned or tensor.op._id <= result.ops_after_rewrite \
+                or not varying_tensor(tensor, templates):
+            return None
+    if tensor.name not in warned:
+        warned.add(tensor.name)
+        what = ("has one value per replica and micro-batch" if copy is not None else
+                "was built after EPL rewrote the graph, on tensors that have one value per "
+                "replica")
+        logging.getLogger("epl").warning(
+            "fetching %s, which %s and is in no EPL merge collection: it returns replica 0's "
+            "value (its first micro-batch's). For the value over the global batch, add it to "
+            "epl.GraphKeys.GLOBAL_MEAN_OBJECTS (a mean over examples), GLOBAL_SUM_OBJECTS (a "
+            "sum or count) or GLOBAL_CONCAT_OBJECTS (one row per example) with "
+            "epl.add_to_collection before the first session.", tensor.name, what)
+    return copy
 
 
 def _map_fetches(fn, fetches):
@@ -217,19 +255,21 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
         plan = _RunPlan(result, fetches)
         if key[0] is not None:
             cache[key] = plan
-    if result.feeds and feed_dict:
+    if feed_dict:
         feed_dict = _redirect_feeds(result, feed_dict)
-    if result.gradient_check is not None and result.gradient_check_max_diff is None \
-            and plan.trains:   # the first step then uses the batch the check drew
-        feed_dict = {**(feed_dict or {}), **_check_gradients(self, result, feed_dict)}
+    check = result.gradient_check is not None and result.gradient_check_max_diff is None \
+        and plan.trains   # compared in the first training run itself (_check_gradients)
+    fetches = [plan.fetches, gradient_pairs(*result.gradient_check)] if check else plan.fetches
     started = time.time()
     with _user_terms(self, result, plan, feed_dict):
         if plan.gather:
             _bounded(result, lambda: _ORIGINAL["run"](self, plan.gather), self, plan, "gather")
         if result.tracer is not None:  # debug.trace_dir: FULL_TRACE for the chosen steps
             options, run_metadata = result.tracer.before_run(plan.trains, options, run_metadata)
-        values = _bounded(result, lambda: _ORIGINAL["run"](self, plan.fetches, feed_dict, options,
+        values = _bounded(result, lambda: _ORIGINAL["run"](self, fetches, feed_dict, options,
                                                           run_metadata), self, plan, "fetch")
+        if check:
+            values = _check_gradients(result, values)
         if result.tracer is not None:
             result.tracer.after_run(run_metadata)
         if plan.sync:
@@ -296,7 +336,9 @@ def _fed_value(feed_dict, tensor: tf.Tensor) -> str | None:
 
 def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
     """The feed with every fed static-batch placeholder moved onto EPL's placeholder
-    of every unit's rows (io.batch_mode "replica"; inputs.FeedRedirect)."""
+    of every unit's rows (io.batch_mode "replica"; inputs.FeedRedirect), and every
+    other fed tensor the model copied per unit or replica fed to each copy too (a fed
+    tensor means the same in every copy)."""
     redirected = {}
     fed = set(feed_dict)
     for key, value in feed_dict.items():
@@ -309,28 +351,36 @@ def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
         redirect = result.feeds.get(tensor) if isinstance(tensor, tf.Tensor) else None
         if redirect is None or redirect.widened in fed:   # already redirected
             redirected[key] = value
+            for copy in _copies_of(result, tensor):
+                redirected.setdefault(copy, value)
         else:
             redirected.update(redirect.feeds(value))
     return redirected
 
 
-def _check_gradients(session, result: ParallelGraph, feed_dict) -> dict:
-    """gradient_checkpoint.check_gradients: compare the values before the first step.
+def _copies_of(result: ParallelGraph, tensor) -> list:
+    """The copies of a fed tensor (cached per tensor)."""
+    if not isinstance(tensor, tf.Tensor) or result.replication is None:
+        return []
+    cache = result.__dict__.setdefault("_epl_feed_copies", {})
+    if tensor not in cache:
+        cache[tensor] = result.replication.copies_of(tensor)
+    return cache[tensor]
 
-    The comparison run draws the step's batches from the user's iterators; it
-    returns them as a feed of the draws' outputs, so the first training step
-    uses exactly those batches and the iterator is not advanced twice.
-    """
+
+def _check_gradients(result: ParallelGraph, values: list):
+    """gradient_checkpoint.check_gradients: the first training run also fetched both
+    gradient lists (without checkpointing, on the same forward copies: no extra draw
+    from the input or the random ops, so training is exactly as without the check);
+    log their largest difference and return the run's own values."""
     reference, checkpointed = result.gradient_check
-    drawn = list(result.drawn)
-    values, drawn_values = _ORIGINAL["run"](
-        session, [gradient_pairs(reference, checkpointed), drawn], feed_dict)
-    result.gradient_check_max_diff = gradient_difference(values, reference, checkpointed)
+    values, pairs = values
+    result.gradient_check_max_diff = gradient_difference(pairs, reference, checkpointed)
     logging.getLogger(__name__).warning(
         "gradient_checkpoint.check_gradients: largest absolute difference between the "
         "gradients with and without checkpointing on the first step: %.3g",
         result.gradient_check_max_diff)
-    return dict(zip(drawn, drawn_values))
+    return values
 
 
 def _bounded(result: ParallelGraph, run, session, plan: _RunPlan, part: str):

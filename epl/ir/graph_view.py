@@ -47,9 +47,12 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from epl.errors import ParallelizeError
+from epl.graph_keys import merge_requests
 from epl.ir.annotations import (PHASE_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind,
                                 StrategySpec)
 from epl.ir.clone import COLOCATION_ATTR
+from epl.ir.consistency import TemplateStep, WritePlan, plan_writes
+from epl.ir.consistency import written_variable as variable_written  # noqa: F401 (public)
 from epl.ir.record import GraphRecord
 from epl.ir.taskgraph import TaskGraph
 
@@ -88,6 +91,9 @@ class TrainingView:
     split_apply_ops: apply ops that update a variable of a split op (run once).
     split_variables: variables read by split ops (the shards; not mirrored).
     split_records: the split pass's SplitRecord of each split TaskGraph (from the record).
+    writes: how each write that reads a per-replica value stays consistent
+      (epl/ir/consistency.py); its decisions are applied to the phases, the
+      replica ops and the variables above.
     tags: op -> OpTags, its attributes as analysis read them (before any pass).
     """
 
@@ -110,6 +116,7 @@ class TrainingView:
     split_variables: list = dataclasses.field(default_factory=list)
     tags: dict = dataclasses.field(default_factory=dict)
     split_records: list = dataclasses.field(default_factory=list)
+    writes: WritePlan = dataclasses.field(default_factory=WritePlan)
 
     def describe_op(self, op: tf.Operation) -> str:
         """One line naming an op for error messages: name, type, shape, TaskGraph, device."""
@@ -483,22 +490,6 @@ def _split_parts(step_region, split_tgs, taskgraph_of, phase_of, variable_ops):
     return split_ops, apply_ops, variables
 
 
-# Op types that write the variable whose handle (or ref) is their first input.
-_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "Apply",
-                   "SparseApply", "Scatter", "ResourceStridedSliceAssign", "StridedSliceAssign")
-
-
-def variable_written(op: tf.Operation) -> tf.Operation | None:
-    """The variable op `op` writes (an assign, an optimizer's apply, a scatter), if any."""
-    if not op.inputs or not op.type.startswith(_WRITE_PREFIXES):
-        return None
-    source = op.inputs[0]
-    if source.op.type in VARIABLE_OP_TYPES and (source.dtype == tf.resource
-                                                or source.dtype._is_ref_dtype):
-        return source.op
-    return None
-
-
 def _consumers(op: tf.Operation):
     for tensor in op.outputs:
         yield from tensor.consumers()
@@ -587,6 +578,31 @@ def has_training_step(record: GraphRecord) -> bool:
     return False
 
 
+def _plan_writes(graph, ops, phase_of, step_ops, replica_ops, batch_inputs, losses,
+                 gradients) -> WritePlan:
+    """How each write the copies would run stays consistent (epl/ir/consistency.py);
+    the plan's phases are written into `phase_of`."""
+    grads = set()
+    for grad, _ in gradients:
+        grads.update([grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices) else [grad])
+    update_ops = {item if isinstance(item, tf.Operation) else item.op
+                  for item in graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+                  if isinstance(item, (tf.Operation, tf.Tensor))}
+    metric_variables = {item.op for item in graph.get_collection(
+        tf.compat.v1.GraphKeys.METRIC_VARIABLES) if hasattr(item, "op")}
+    merged = set(losses) | set(merge_requests(graph))
+    plan = plan_writes(TemplateStep(ops, {op: phase.value for op, phase in phase_of.items()},
+                                    step_ops, set(replica_ops), list(batch_inputs), grads,
+                                    merged, update_ops, metric_variables))
+    for op in plan.apply_ops:
+        phase_of[op] = Phase.APPLY
+    for op in plan.other_ops | plan.after_reads:
+        phase_of[op] = Phase.OTHER
+    for op in plan.per_unit:
+        phase_of[op] = Phase.FORWARD
+    return plan
+
+
 def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None,
             batch_mode: str = "replica") -> TrainingView:
     """Build the TrainingView of `graph` from its `record`; raises ParallelizeError on
@@ -629,13 +645,17 @@ def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None
                                                          if not tags[op].split_replaced])
     single = set(split_ops) | set(split_apply)
     replica_ops = [op for op in step_region if op not in single]
+    writes = _plan_writes(graph, ops, phase_of, step_ops, replica_ops, batch_inputs, losses,
+                          gradients)
+    replica_ops = [op for op in replica_ops if op not in writes.not_copied] + sorted(
+        writes.per_unit - set(replica_ops), key=lambda op: op._id)
     replica_set = set(replica_ops)
-    variables = [op for op in variable_ops
-                 if any(c in replica_set for out in op.outputs for c in out.consumers())]
+    variables = [op for op in variable_ops if op not in writes.shared_variables
+                 and any(c in replica_set for out in op.outputs for c in out.consumers())]
     replicated_tgs = [tg for tg in taskgraphs if tg.spec.kind != StrategyKind.SPLIT]
     view = TrainingView(graph, replicated_tgs, taskgraph_of, phase_of, step_ops,
                         replica_ops, batch_inputs, batch, variables, losses, gradients, train_ops,
                         steps, split_tgs, split_ops, split_apply, split_variables, tags,
-                        list(record.splits))
+                        list(record.splits), writes)
     _check_control_flow(replica_ops, view.describe_op, tags)
     return view

@@ -31,6 +31,9 @@ class GraphRecord:
       initialized yet; the graph is then rewritten under the config active at
       parallelize time).
     result: the driver's ParallelGraph once the graph is parallelized.
+    shard_gradients: the gradient of a split variable the script's tf.gradients returned
+      (its shards' gradients concatenated) -> [(shard gradient, shard)], which
+      apply_gradients updates the shards with (epl/hooks/optimizer.py).
     """
 
     taskgraphs: list[TaskGraph] = dataclasses.field(default_factory=list)
@@ -41,6 +44,7 @@ class GraphRecord:
     splits: list = dataclasses.field(default_factory=list)
     config: Any = None
     result: Any = None
+    shard_gradients: dict = dataclasses.field(default_factory=dict)
 
     @property
     def parallelized(self) -> bool:

@@ -114,9 +114,12 @@ def _merge_excess(buckets: list[Bucket], dtype, max_splits: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class ReducedGradients:
     """What the gradient_comm pass reduced: variable name -> how many reductions its
-    gradient got (the verify pass checks it is one each)."""
+    gradient got (the verify pass checks it is one each); gathered: the values and
+    indices of the sparse gradients every replica's update reads, gathered from every
+    replica into one tensor each (the same on every replica)."""
 
     counts: dict
+    gathered: tuple = ()
 
 
 class GradientCommPass(GraphPass):
@@ -145,6 +148,7 @@ class GradientCommPass(GraphPass):
                         if entry[0].name not in sharded]
         needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
         reduced_of: dict[str, int] = {}
+        gathered: list = []
         buckets: list[Bucket] = []
         if needs_comm:
             buckets, bucket_members = [], []
@@ -169,16 +173,17 @@ class GradientCommPass(GraphPass):
                     reduced_of[per_gradient[i][0].name] = reduced_of.get(per_gradient[i][0].name, 0) + 1
             for var, grads, original in per_gradient:
                 if isinstance(grads[0], tf.IndexedSlices):
-                    self._gather_sparse(ctx.communicator, grads, original, replication.weights,
-                                        method, var.name)
+                    gathered += self._gather_sparse(ctx.communicator, grads, original,
+                                                    replication.weights, method, var.name)
                     reduced_of[var.name] = reduced_of.get(var.name, 0) + 1
         else:
             reduced_of = {var.name: 1 for var, _, _ in per_gradient}
             for _, grads, original in per_gradient:   # one replica: its own sparse gradient
                 if isinstance(grads[0], tf.IndexedSlices):
-                    _rewire_sparse(original, grads[0].values, grads[0].indices)
+                    _rewire_sparse(original, grads[0].values, grads[0].indices,
+                                   grads[0].dense_shape)
         reduced_of.update(sharded)
-        ctx.provide(ReducedGradients(reduced_of))
+        ctx.provide(ReducedGradients(reduced_of, tuple(gathered)))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{len(per_gradient)} gradients in {len(buckets)} buckets ({method}"
@@ -206,18 +211,25 @@ class GradientCommPass(GraphPass):
                 all_values, label=f"the gradient values of {name}")
             all_indices = communicator.workers_all_gather(
                 all_indices, label=f"the gradient indices of {name}")
-        _rewire_sparse(original, all_values, all_indices)
+        _rewire_sparse(original, all_values, all_indices, grads[0].dense_shape)
+        return [all_values, all_indices]
 
 
-def _rewire_sparse(original: tf.IndexedSlices, values: tf.Tensor, indices: tf.Tensor) -> None:
-    """The update ops read `values` and `indices` instead of the template's sparse
-    gradient. They may hold more rows than the template's (every replica's, or
-    every micro-batch's, each of the script's size under io.batch_mode
-    "replica"), so their static row count is left unknown."""
+def _rewire_sparse(original: tf.IndexedSlices, values: tf.Tensor, indices: tf.Tensor,
+                   dense_shape: tf.Tensor | None = None) -> None:
+    """The update ops read `values` and `indices` (and `dense_shape`: replica 0's, for an
+    update that makes the gradient dense) instead of the template's sparse gradient.
+    They may hold more rows than the template's (every replica's, or every
+    micro-batch's, each of the script's size under io.batch_mode "replica"), so their
+    static row count is left unknown."""
     with tf.device(values.device), tf.name_scope("EPL_SPARSE"):
         values = with_dynamic_rows(values, original.values)
         indices = with_dynamic_rows(indices, original.indices)
-    for old, new in ((original.values, values), (original.indices, indices)):
+    pairs = [(original.values, values), (original.indices, indices)]
+    if dense_shape is not None and original.dense_shape is not None \
+            and dense_shape is not original.dense_shape:
+        pairs.append((original.dense_shape, dense_shape))
+    for old, new in pairs:
         for consumer in [c for c in old.consumers() if _is_apply(c)]:
             replace_input(consumer, old, new)
 

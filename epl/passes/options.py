@@ -55,6 +55,14 @@ class ReplicateOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConsistencyOptions:
+    """batch_norm.moving_statistics: "replica0" or "mean" (epl/passes/consistency.py)."""
+
+    moving_statistics: str
+    enabled: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class AccumulateOptions:
     """On with more than one micro-batch."""
 
@@ -166,6 +174,7 @@ def pass_options(config: Any) -> dict[str, Any]:
                                       config.get("gradient_checkpoint.end_taskgraph"),
                                       config.get("gradient_checkpoint.check_gradients")),
         "replicate": ReplicateOptions(micro, config.get("io.batch_mode"), reduce_method),
+        "consistency": ConsistencyOptions(config.get("batch_norm.moving_statistics")),
         "accumulate": AccumulateOptions(micro > 1),
         "unscale": UnscaleOptions(amp_on),
         "schedule": ScheduleOptions(config.get("pipeline.strategy")),

@@ -6,7 +6,11 @@ is set, which the tests do):
 - the graph has no cycles (data and control edges);
 - exactly one reduction per trainable gradient (once the gradient pass ran);
 - the train ops need none of the template ops (the original forward/backward
-  ops that the replicas were copied from), so no work is done twice.
+  ops that the replicas were copied from), so no work is done twice;
+- replica consistency (epl/ir/consistency.py): no write of a replicated variable
+  (or, by a copy, of any variable but a shared accumulator) reads a value that
+  differs per replica (a unit's batch, a unit's random numbers) without a
+  reduction over the replicas or a merged value in between.
 A violation raises PassError naming every offending op.
 """
 from __future__ import annotations
@@ -17,8 +21,11 @@ from tensorflow.python.client import pywrap_tf_session as c_api
 from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase
 from epl.ir.clone import created_complete
+from epl.ir.consistency import WriteKind, is_random, varying_writes
 from epl.ir.graph_view import TrainingView, ancestors
 from epl.passes.gradient_comm import ReducedGradients
+from epl.passes.gradient_flow import ReplicaGradients
+from epl.passes.consistency import REMEDY, ConsistentValues
 from epl.passes.manager import GraphPass, Instrument, PassContext, PassResult
 from epl.passes.replication.result import Replication
 
@@ -180,6 +187,68 @@ def check_no_template_work(view, replication, preds: dict | None = None) -> None
               "This is an EPL bug; please report it.")
 
 
+def check_replica_consistency(view, replication, consistent, gradients=None,
+                              workers: int = 1, preds: dict | None = None,
+                              reduced=None) -> None:
+    """No run writes a replicated variable from a value that differs per replica
+    (module docstring). consistent: the consistency pass's ConsistentValues;
+    gradients: the last ReplicaGradients, complete when there is one replica in all
+    (its micro-batches summed); preds: `predecessors(graph)` where the caller has it;
+    reduced: the gradient_comm pass's ReducedGradients (its gathered sparse gradients).
+
+    Checked: the writes the training step runs, and the user's own writes outside it
+    (a copy EPL made, or an update of the user's step, that the step no longer runs,
+    such as an update ZeRO replaced, runs in no run)."""
+    if replication is None:
+        return
+    units = replication.units()
+    sources = set()
+    for template, parts in replication.unit_batches.items():
+        if len({id(p) for p in parts}) > 1 or template.op.type != "Const":
+            sources.update(parts + [template])
+    unit_copies = set()
+    for unit in units:
+        for template, copy in replication.forward_copies[unit].items():
+            unit_copies.add(copy)
+            if is_random(copy) or copy.type in ("IteratorGetNext", "IteratorGetNextSync"):
+                sources.update(copy.outputs)
+    for k, op_map in enumerate(replication.replica_maps[1:], 1):
+        forward = set(replication.forward_copies.get((k, 0), {}).values())
+        for copy in op_map.values():
+            if copy not in forward:
+                unit_copies.add(copy)
+                if is_random(copy) and not (copy.get_attr("seed") or copy.get_attr("seed2")):
+                    sources.update(copy.outputs)
+    templates = {op for unit in units for op in replication.forward_copies[unit]}
+    templates |= {op for op in view.replica_ops if view.phase_of[op] == Phase.BACKWARD}
+    shared = view.writes.of_kind(WriteKind.SHARED_ACCUMULATOR)
+    allowed = {d.op for d in shared} | {replication.forward_copies[u].get(d.op)
+                                        for d in shared for u in units}
+    replicated = {copy for copies in replication.mirrors.values() for copy in copies}
+    clean = list(replication.merged.values()) + list(consistent.clean if consistent else ())
+    clean += list(reduced.gathered if reduced is not None else ())
+    # a split variable's gradient: one autodiff over every replica's loss, one tensor
+    clean += [t for _, g in replication.split_gradients
+              for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]
+    if gradients is not None and len(replication.replica_maps) == 1 and workers == 1:
+        clean += [t for _, grads, _ in gradients.entries for g in grads if g is not None
+                  for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]
+    step = (_predecessors_closure(view.train_ops, preds) if preds is not None
+            else ancestors(view.train_ops))
+    # EPL's copies and the user's updates the step no longer runs (ZeRO runs its own)
+    dead = {op for op in view.graph.get_operations()
+            if op not in step and (op not in view.tags or op in view.step_ops)} - allowed
+    found = varying_writes(view.graph, sources, clean, replicated, unit_copies,
+                           templates | dead, allowed)
+    if found:
+        first = found[0]
+        raise PassError(
+            f"invariant violated: variable {first.variable.name} would hold a different value "
+            f"on each replica: {_describe(first.op)} writes it from a value computed from "
+            f"{first.source.name}, which differs per replica, without a reduction over the "
+            f"replicas ({len(found)} such write(s)). {REMEDY}")
+
+
 class InvariantInstrument(Instrument):
     """Checks the structural invariants after every pass."""
 
@@ -194,6 +263,7 @@ class VerifyPass(GraphPass):
 
     name = "verify"
     requires = (TrainingView, Replication, ReducedGradients)  # checks their results
+    optional = (ConsistentValues, ReplicaGradients)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         preds = predecessors(graph)
@@ -201,4 +271,8 @@ class VerifyPass(GraphPass):
         check_acyclic(graph, preds)
         check_one_reduction_per_gradient(ctx.get(Replication), ctx.get(ReducedGradients).counts)
         check_no_template_work(ctx.get(TrainingView), ctx.get(Replication), preds)
+        check_replica_consistency(ctx.get(TrainingView), ctx.get(Replication),
+                                  ctx.find(ConsistentValues), ctx.find(ReplicaGradients),
+                                  ctx.communicator.num_workers, preds,
+                                  ctx.get(ReducedGradients))
         return PassResult(notes=["invariants hold"], modified=False)

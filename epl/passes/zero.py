@@ -70,6 +70,7 @@ from epl.ir.graph_view import VARIABLE_OP_TYPES, TrainingView, ancestors
 from epl.passes.gradient_flow import ReplicaGradients
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.replication.result import Replication
+from epl.passes.zero_region import Region, find_region, shard_region
 from epl.planner.plan import Plan
 
 SCOPE = "EPL_ZERO"
@@ -106,6 +107,11 @@ def _handle_inputs(op: tf.Operation) -> list[tuple[int, tf.Operation]]:
     """(input index, variable op) of every variable handle (resource or ref) `op` takes."""
     return [(i, t.op) for i, t in enumerate(op.inputs)
             if t.op.type in VARIABLE_OP_TYPES and (t.dtype == tf.resource or t.dtype._is_ref_dtype)]
+
+
+def _handles_of(op: tf.Operation) -> list[tf.Operation]:
+    """The variable ops whose handles `op` takes, in input order."""
+    return [var for _, var in _handle_inputs(op)]
 
 
 def _updates(var: tf.Operation) -> list[tf.Operation]:
@@ -147,6 +153,12 @@ def optimizer_state_bytes(graph: tf.Graph, train_ops) -> dict[str, int]:
     return totals
 
 
+class ProcessedGradients(ParallelizeError):
+    """The update of a variable is not one op reading its gradient (gradient processing,
+    or an optimizer of several ops): the update region is sharded instead
+    (epl/passes/zero_region.py)."""
+
+
 def _check(view, level: str) -> list:
     """Per trainable gradient (gradient, variable op, its update op, slot variable ops).
 
@@ -178,13 +190,8 @@ def _check(view, level: str) -> list:
             # apply_gradients carry no phase tag before the annotate pass runs)
             readers = [c for c in grad.consumers() if view.phase_of.get(c) == Phase.APPLY]
             what = ", ".join(f"{c.name} ({c.type})" for c in readers[:4]) or "nothing"
-            raise ParallelizeError(
-                f"zero.level {level!r} cannot be combined with processing the gradients between "
-                f"compute_gradients and apply_gradients (clipping, scaling): the gradient of "
-                f"{var.name} is read by {what} instead of directly by the optimizer's update. "
-                "ZeRO reduce-scatters each gradient, so no replica ever holds the whole "
-                "reduced gradient that a global norm needs. Remove the gradient processing, "
-                "or turn ZeRO off (zero.level '').")
+            raise ProcessedGradients(
+                f"the gradient of {var.name} is read by {what}, not by one update op")
         update = updates[0]
         slots = []
         for _, state in _handle_inputs(update)[1:]:
@@ -211,8 +218,14 @@ class ZeroPass(GraphPass):
 
     def validate(self, graph: tf.Graph, ctx: PassContext):
         """The variables to shard, from the template (run() reads them: after the
-        replicate pass the gradients no longer feed the updates directly)."""
-        return _check(ctx.get(TrainingView), self.options.level)
+        replicate pass the gradients no longer feed the updates directly): one update
+        op per variable, or else the update region (gradient processing, an optimizer
+        of several ops; epl/passes/zero_region.py)."""
+        view, level = ctx.get(TrainingView), self.options.level
+        try:
+            return _check(view, level)
+        except ProcessedGradients:
+            return find_region(view, level)
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         replication = ctx.get(Replication)
@@ -231,8 +244,6 @@ class ZeroPass(GraphPass):
         if entries is None:   # the caller did not validate (a pass run alone)
             raise PassError("the zero pass reads what its validate() found on the graph as the "
                             "user built it: validate the pipeline before running it")
-        split_vars = set(ctx.get(TrainingView).split_variables)   # sharded by epl.split: left alone
-        entries = [entry for entry in entries if entry[1] not in split_vars]
         grads_of = {var: grads for var, grads, _ in ctx.get(ReplicaGradients).entries}
         method = self.options.reduce_method
         if replication.presummed:  # split models: gradients already weighted by batch share
@@ -240,6 +251,17 @@ class ZeroPass(GraphPass):
         before = set(graph.get_operations())
         result = ZeroSharding({}, {}, {}, total)
         slot_shards: dict = {}  # slot op -> [shard var per replica]
+        if isinstance(entries, Region):
+            slot_shards = shard_region(graph, entries, replication, grads_of,
+                                       replication.weights, method, comm, rank, replicas,
+                                       workers, _TagNewOps, _shard_variable, _read)
+            result.reduced.update({var.name: 1 for var in entries.params})
+            for op in entries.ops:   # a one-op update takes the slots, which move to the host
+                if op.type.startswith("ResourceApply") and _handles_of(op):
+                    _detach(op, _handles_of(op)[0], ctx.cluster.host_device)
+            entries = []
+        split_vars = set(ctx.get(TrainingView).split_variables)   # sharded by epl.split: left alone
+        entries = [entry for entry in entries if entry[1] not in split_vars]
         for grad, var, update, slots in entries:
             mirrors = replication.mirrors[var]
             updates = [update] + [replication.replica_maps[k][update] for k in range(1, replicas)]

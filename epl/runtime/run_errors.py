@@ -24,6 +24,7 @@ which raises in its place:
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -32,6 +33,10 @@ import tensorflow as tf
 from epl.checkpoint import damage
 from epl.errors import CheckpointError
 
+# The message of the check a further unit's draw makes when the input ended within a
+# step (epl.passes.replication.inputs): `rewrite` says it is the end of the input, with
+# the rows the step drops.
+SHORT_INPUT_MARKER = "EPL_SHORT_INPUT"
 _NAME = re.compile(r"[A-Za-z0-9_.\-/]+(?::\d+)?")
 _RECV_SUFFIX = re.compile(r"/_\d+$")
 _VARIABLE = re.compile(r"(?:Could not find variable|uninitialized value) "
@@ -163,8 +168,32 @@ def rewrite(err: tf.errors.OpError, result, step: int | None, saving: str | None
     message = user_names(err.message, result.origins)
     op = _user_op(err, result)
     node_def = op.node_def if op is not None else err.node_def
+    short = _short_input(err)
+    if short is not None:   # the end of the input, within a step: said as the end it is
+        logging.getLogger("epl").warning("%s%s", head, short)
+        return tf.errors.OutOfRangeError(node_def, op, "%s%sTensorFlow's error, with your "
+                                         "names for EPL's copies: %s" % (head, short, message))
     return type(err)(node_def, op, "%s%sTensorFlow's error, with your names for EPL's copies: %s"
                      % (head, _hint(err, message, result), message))
+
+
+_SHORT = re.compile(SHORT_INPUT_MARKER + r"\]\s*\[(\d+)\]\s*\[(\d+)\]\s*\[(\d+)\]")
+
+
+def _short_input(err: tf.errors.OpError) -> str | None:
+    """For the check of a unit's draw that found the input ended within a step
+    (epl.passes.replication.inputs._draws): what was dropped, in words."""
+    if not isinstance(err, tf.errors.InvalidArgumentError):
+        return None
+    match = _SHORT.search(err.message)
+    if match is None:
+        return None
+    rows, unit, units = (int(g) for g in match.groups())
+    return ("the input ran out of data within a step: unit %d of the %d units (replicas x "
+            "micro-batches) of this step found no batch, so the %d row(s) the units before "
+            "it drew are dropped and the step does not run (EPL runs whole steps: use "
+            "Dataset.batch(..., drop_remainder=True) and a number of batches divisible by %d "
+            "to drop nothing). " % (unit, units, rows, units))
 
 
 def older_checkpoint(prefix: str) -> str:

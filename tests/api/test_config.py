@@ -45,6 +45,7 @@ EXPECTED_DEFAULTS = {
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,
     "io.batch_mode": "replica",
+    "batch_norm.moving_statistics": "replica0",
     "auto.auto_parallel": False,
     "debug.dump_dir": "",
     "debug.check_invariants": False,
@@ -102,7 +103,7 @@ def test_schema_entries_describe_each_key() -> None:
 def test_sections() -> None:
     assert Config.sections() == (
         "pipeline", "gradient_checkpoint", "zero", "offload", "amp", "optimizer",
-        "cluster", "split", "communication", "io", "auto", "debug")
+        "cluster", "split", "communication", "io", "batch_norm", "auto", "debug")
 
 
 # Input and access ------------------------------------------------------------
@@ -210,7 +211,7 @@ def test_unknown_section_lists_sections_and_suggests() -> None:
     assert "Unknown config section 'pipline'" in text
     assert "Did you mean 'pipeline.num_micro_batch'?" in text
     assert ("Valid sections: pipeline, gradient_checkpoint, zero, offload, amp, optimizer, "
-            "cluster, split, communication, io, auto, debug.") in text
+            "cluster, split, communication, io, batch_norm, auto, debug.") in text
 
 
 def test_unknown_section_far_from_any() -> None:

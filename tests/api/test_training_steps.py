@@ -200,20 +200,56 @@ def test_gradients_that_update_nothing_are_no_training_step():
         "epl.parallelize(); an inference-only graph needs no EPL scopes.")
 
 
-def test_tf_gradients_on_a_split_model_is_refused_with_the_alternative():
+def _split_step(gradients_fn, use_epl: bool, steps: int = 3):
+    """A replicated hidden layer and a classifier under epl.split(2), trained by the
+    script's own tf.gradients (`gradients_fn(loss, variables) -> train op`)."""
     env.reset()
-    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    if use_epl:
+        epl.init(epl.Config({"cluster.virtual_devices": 2,
+                             "cluster.colocate_split_and_replicate": True}))
+    data = np.random.RandomState(5)
+    features, labels = data.randn(8, 5).astype(np.float32), data.randint(0, 6, 8)
+    rows = 4 if use_epl else 8
     with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
-        with epl.split(2, name="head"):
-            w = tf.compat.v1.get_variable("w", [3, 4])
-            loss = tf.reduce_mean(tf.matmul(x, w))
-        with pytest.raises(epl.ParallelizeError) as err:
-            tf.gradients(loss, [w])
+        x = tf.compat.v1.placeholder(tf.float32, [rows, 5])
+        y = tf.compat.v1.placeholder(tf.int64, [rows])
+        with (epl.replicate(1) if use_epl else bert_like.contextlib.nullcontext()):
+            h = tf.compat.v1.layers.dense(x, 7, activation=tf.nn.tanh, name="hidden",
+                                          kernel_initializer=tf.constant_initializer(0.3))
+        with (epl.split(2) if use_epl else bert_like.contextlib.nullcontext()):
+            w = tf.compat.v1.get_variable("classes", initializer=np.linspace(
+                -1, 1, 42, dtype=np.float32).reshape(7, 6))
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=tf.matmul(h, w)))
+        train_op = gradients_fn(loss, tf.compat.v1.trainable_variables())
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [float(sess.run([train_op, loss], {x: features, y: labels})[1])
+                      for _ in range(steps)]
+            values = {v.op.name: sess.run(v) for v in tf.compat.v1.trainable_variables()}
     env.reset()
-    assert str(err.value) == (
-        "tf.gradients was called on a model with split TaskGraph(s) epl.split(device_count=2, "
-        "name='head'): EPL splits the forward graph before autodiff for "
-        "Optimizer.compute_gradients and minimize only. Build the gradients with "
-        "optimizer.compute_gradients(loss) (then clip and apply_gradients as before), or "
-        "replicate that part instead.")
+    return losses, values
+
+
+def _split_clip_then_adam(loss, variables):
+    grads = tf.gradients(loss, variables)
+    grads, _ = tf.clip_by_global_norm(grads, 0.5)
+    return tf.compat.v1.train.AdamOptimizer(0.1).apply_gradients(zip(grads, variables))
+
+
+def _split_plain_assigns(loss, variables):
+    grads = tf.compat.v1.gradients(loss, variables)
+    return tf.group(*[v.assign_sub(0.2 * g) for v, g in zip(variables, grads)])
+
+
+@pytest.mark.parametrize("gradients_fn", [_split_clip_then_adam, _split_plain_assigns],
+                         ids=["clip-then-adam", "plain-assigns"])
+def test_tf_gradients_on_a_split_model_matches_single_device(gradients_fn):
+    """The split pass rewrites the forward before the script's own tf.gradients too
+    (it was refused): the split variable's gradient is its shards' gradients, which
+    apply_gradients (or an assign on the variable) updates the shards with."""
+    reference = _split_step(gradients_fn, False)
+    result = _split_step(gradients_fn, True)
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
+    for name, value in reference[1].items():
+        np.testing.assert_allclose(result[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -110,3 +110,32 @@ def test_check_gradients_consumes_no_input(models, epl_env, mode):
     np.testing.assert_allclose(checked[0], plain[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(checked[1], plain[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_check_gradients_leaves_training_with_dropout_as_without_it(epl_env):
+    """The check fetches both gradient lists in the first training run itself: no extra
+    forward pass draws dropout masks (or batches), so training with the check is the
+    training without it (a separate check run made the losses differ by up to 1.06)."""
+    def run(check):
+        epl_env({"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto",
+                 "gradient_checkpoint.check_gradients": check})
+        data = np.random.RandomState(2).randn(8, 16).astype(np.float32)
+        with tf.Graph().as_default() as graph:
+            tf.compat.v1.set_random_seed(7)
+            x = tf.compat.v1.placeholder(tf.float32, [4, 16])
+            with epl.replicate(1):
+                h = tf.compat.v1.layers.dense(x, 16, activation=tf.nn.relu, name="h",
+                                              kernel_initializer=tf.constant_initializer(0.1))
+                h = tf.compat.v1.layers.dropout(h, rate=0.5, training=True)
+                h = tf.compat.v1.layers.dense(h, 16, activation=tf.nn.relu, name="h2",
+                                              kernel_initializer=tf.constant_initializer(0.1))
+                loss = tf.reduce_mean(tf.square(h - 1.0))
+            train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                losses = [sess.run([train_op, loss], {x: data})[1] for _ in range(4)]
+            return losses, epl.parallelize(graph).gradient_check_max_diff
+
+    plain, checked = run(False), run(True)
+    assert checked[1] is not None and checked[1] < 1e-5
+    np.testing.assert_allclose(checked[0], plain[0], rtol=1e-6, atol=1e-7)

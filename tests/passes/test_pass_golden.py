@@ -44,6 +44,8 @@ CASES = {
     "amp": ({"cluster.virtual_devices": 2, "amp.level": "O1", "amp.loss_scale": 128.0}, {}),
     "recompute": ({"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto"}, {}),
     "replicate": ({"cluster.virtual_devices": 2}, {}),
+    "consistency": ({"cluster.virtual_devices": 2, "batch_norm.moving_statistics": "mean"},
+                    {"batch_norm": True}),
     "accumulate": ({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2}, {}),
     "unscale": ({"cluster.virtual_devices": 2, "amp.level": "O1",
                  "amp.loss_scale": "dynamic"}, {}),
@@ -93,25 +95,33 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
                           "LogicalAnd": 1, "LogicalNot": 1, "Maximum": 1, "Mul": 2, "NoOp": 1,
                           "ReadVariableOp": 3, "SelectV2": 3}, 9),
     "offload": ({}, 51),   # variables and the ops on their handles moved to the host
+    # batch norm's two moving statistics: the mean over the two units (weight x part,
+    # summed), read by each replica's write of them (4); the units' backward ops, built
+    # under control_dependencies(UPDATE_OPS), no longer wait for the writes (71)
+    "consistency": ({"AddN": 2, "Const": 4, "Mul": 4}, 75),
     "verify": ({}, 0),     # checks only
 }
 
 
-def _build(stages: bool = False) -> tf.Tensor:
-    """An MLP classifier (one or two pipeline stages) with Adam; returns the loss."""
+def _build(stages: bool = False, batch_norm: bool = False) -> tf.Tensor:
+    """An MLP classifier (one or two pipeline stages; batch norm after the hidden
+    layer, its UPDATE_OPS run by the train op) with Adam; returns the loss."""
     features = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES], name="features")
     labels = tf.compat.v1.placeholder(tf.int32, [BATCH], name="labels")
     first = epl.replicate(device_count=1, name="stage_0") if stages else epl.replicate(1)
     with first:
         hidden = tf.compat.v1.layers.dense(features, HIDDEN, activation=tf.nn.relu,
                                            name="hidden")
+        if batch_norm:
+            hidden = tf.compat.v1.layers.batch_normalization(hidden, training=True)
     second = epl.replicate(device_count=1, name="stage_1") if stages else first
     with second:
         logits = tf.compat.v1.layers.dense(hidden, CLASSES, name="logits")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
-    tf.compat.v1.train.AdamOptimizer(0.01).minimize(
-        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+        tf.compat.v1.train.AdamOptimizer(0.01).minimize(
+            loss, global_step=tf.compat.v1.train.get_or_create_global_step())
     return loss
 
 

@@ -75,7 +75,7 @@ def classifier(optimizer=_sgd, bias: bool = True, global_step: bool = False,
                resource: bool = True, batch: int = BATCH, clip: bool = False) -> None:
     """features -> dense logits -> mean softmax cross entropy, under
     epl.replicate(1, name="model"), minimized by `optimizer()` (with a global step;
-    clip: compute_gradients, clip_by_global_norm, apply_gradients)."""
+    clip: compute_gradients, clip_by_norm of each gradient, apply_gradients)."""
     features, labels = _inputs(batch)
     with tf.compat.v1.variable_scope("", use_resource=resource), \
             epl.replicate(device_count=1, name="model"):
@@ -85,7 +85,7 @@ def classifier(optimizer=_sgd, bias: bool = True, global_step: bool = False,
     opt = optimizer()
     if clip:
         grads, variables = zip(*opt.compute_gradients(loss))
-        grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        grads = [tf.clip_by_norm(g, 1.0) for g in grads]
         opt.apply_gradients(zip(grads, variables), global_step=step)
     else:
         opt.minimize(loss, global_step=step)
@@ -102,6 +102,26 @@ def mlp(collect: bool = False, global_step: bool = False) -> None:
         loss = _xent(labels, tf.compat.v1.layers.dense(hidden, CLASSES, name="logits"))
     step = tf.compat.v1.train.get_or_create_global_step() if global_step else None
     _sgd().minimize(loss, global_step=step)
+
+
+def batch_norm_classifier(last_max: bool = False) -> None:
+    """Batch norm over the features, then the classifier, under epl.replicate(1,
+    name="model"); SGD after batch norm's UPDATE_OPS (as TF1 scripts write it).
+    last_max: the step also stores the batch's largest feature in a variable (a
+    write of a per-replica value no reduction makes consistent)."""
+    features, labels = _inputs()
+    with tf.compat.v1.variable_scope("", use_resource=True), \
+            epl.replicate(device_count=1, name="model"):
+        normed = tf.compat.v1.layers.batch_normalization(features, training=True, name="bn")
+        logits = tf.compat.v1.layers.dense(normed, CLASSES, name="logits")
+        loss = _xent(labels, logits)
+        writes = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        if last_max:
+            seen = tf.compat.v1.get_variable("last_max", [], trainable=False,
+                                             initializer=tf.compat.v1.zeros_initializer())
+            writes.append(seen.assign(tf.reduce_max(features), name="store_last_max"))
+    with tf.control_dependencies(writes):
+        _sgd().minimize(loss)
 
 
 def unannotated_mlp() -> None:
@@ -167,6 +187,8 @@ CASES = {
     "recompute": Case({**DEVICES2, "gradient_checkpoint.type": "collection"},
                       lambda: mlp(collect=True)),
     "replicate": Case(DEVICES2, lambda: classifier(global_step=True)),
+    "consistency": Case({**DEVICES2, "batch_norm.moving_statistics": "mean"},
+                        batch_norm_classifier),
     "accumulate": Case({**ONE_DEVICE, "pipeline.num_micro_batch": 2}, classifier),
     "unscale": Case({**DEVICES2, **DYNAMIC}, lambda: classifier(bias=False)),
     "schedule": Case({**DEVICES2, "pipeline.num_micro_batch": 2}, two_stages),
@@ -361,6 +383,19 @@ REFUSALS = {
         "over 2 replicas (io.batch_mode 'global'; inputs: features:0, labels:0). Use a global "
         "batch size divisible by 2, or io.batch_mode 'replica' (the default: the script's "
         "batch is one replica's micro-batch)."),
+    "consistency": (
+        _refused("consistency", DEVICES2, lambda: batch_norm_classifier(last_max=True)),
+        _before_any("consistency") + "variable last_max would hold a different value on "
+        "each replica: store_last_max (AssignVariableOp, in the training step) writes it, and "
+        "its value is computed from the batch input features:0, without a reduction over the "
+        "replicas. EPL keeps every replica's copy of a variable equal (README, \"What EPL "
+        "keeps consistent across replicas\"). Remedy: compute the value from the loss, or add "
+        "the tensor it is computed from to an EPL merge collection (epl.add_to_collection(t, "
+        "epl.GraphKeys.GLOBAL_MEAN_OBJECTS) for a mean over examples, GLOBAL_SUM_OBJECTS for a "
+        "sum or count), so the write reads its value over the global batch; for a moving "
+        "statistic like batch norm's, add the write to tf.compat.v1.GraphKeys.UPDATE_OPS "
+        "(batch_norm.moving_statistics then chooses the value); for a streaming metric, create "
+        "its variables in tf.compat.v1.GraphKeys.METRIC_VARIABLES and only add to them."),
     "schedule": (
         _refused("schedule", {**DEVICES2, "pipeline.num_micro_batch": 2},
                  lambda: two_stages(cycle=True)),
@@ -374,18 +409,16 @@ REFUSALS = {
     "zero": (
         _refused("zero", {**DEVICES2, "zero.level": "v1"},
                  lambda: classifier(_momentum, bias=False, clip=True)),
-        _before_any("zero") + "zero.level 'v1' cannot be combined with processing the "
-        "gradients between compute_gradients and apply_gradients (clipping, scaling): the "
-        "gradient of logits/kernel is read by global_norm/L2Loss (L2Loss), "
-        "clip_by_global_norm/mul_1 (Mul) instead of directly by the optimizer's update. ZeRO "
-        "reduce-scatters each gradient, so no replica ever holds the whole reduced gradient "
-        "that a global norm needs. Remove the gradient processing, or turn ZeRO off "
-        "(zero.level '')."),
+        _before_any("zero") + "zero.level 'v1' cannot shard clip_by_norm/Sum (Sum) in the "
+        "update of logits/kernel: ZeRO computes the gradient processing and the update on 1/N "
+        "of each variable, element by element, and sums over the replicas only what adds up "
+        "over elements (the squared norms of clip_by_global_norm). Compute the processing from "
+        "those (tf.clip_by_global_norm, scaling by a scalar), or turn ZeRO off (zero.level '')."),
     "verify": (
         _refused("verify", DEVICES2, classifier, _call_a_template_op),
-        "pass 'verify' failed (passes run before it: ['annotate', 'replicate', 'schedule', "
-        "'gradient_comm']): invariant violated: the train op still needs original (template) "
-        "ops: logits/MatMul/ReadVariableOp (type ReadVariableOp, shape (3, 2), TaskGraph model, "
+        "pass 'verify' failed (passes run before it: ['annotate', 'replicate', 'consistency', "
+        "'schedule', 'gradient_comm']): invariant violated: the train op still needs "
+        "original (template) ops: logits/MatMul/ReadVariableOp (type ReadVariableOp, shape (3, 2), TaskGraph model, "
         "device /device:CPU:0); logits/MatMul (type MatMul, shape (4, 2), TaskGraph model, "
         "device /device:CPU:0). This is an EPL bug; please report it."),
 }

@@ -21,9 +21,9 @@ from epl.passes.replication.result import Replication
 from epl.tools import dump as epl_dump
 
 VARIABLE_TYPES = ("VarHandleOp", "VariableV2")
-PIPELINE = ["auto_stages", "annotate", "amp", "recompute", "replicate", "accumulate", "unscale",
-            "schedule", "zero", "gradient_comm", "apply_groups", "skip_on_overflow", "offload",
-            "verify"]
+PIPELINE = ["auto_stages", "annotate", "amp", "recompute", "replicate", "consistency",
+            "accumulate", "unscale", "schedule", "zero", "gradient_comm", "apply_groups",
+            "skip_on_overflow", "offload", "verify"]
 
 
 def _replica(op) -> int | None:

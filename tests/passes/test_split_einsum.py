@@ -373,3 +373,72 @@ def test_moe_chunks_not_dividing_the_capacity_is_refused():
         "the input of moe_ffn/dispatched_inter_outputs/Einsum (Einsum), which has 2 entries. "
         "Set split.moe_chunks to a divisor of 2 (1: no chunks), or give the tokens a static "
         "capacity divisible by it.")
+
+
+def _dynamic_expert_axis(use_epl: bool, feed: np.ndarray, steps: int = 3):
+    """EPL's MoE test pattern: the expert axis of "EGCM,EMH->EGCH" is the batch axis of a
+    placeholder with a dynamic batch dimension. (losses, w after `steps` steps, the
+    variables stored)."""
+    env.reset()
+    if use_epl:
+        epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2, CAPACITY, MODEL])
+        with (epl.replicate(1) if use_epl else contextlib.nullcontext()):
+            hidden = tf.nn.relu(x)
+        with _split(2):
+            w = tf.compat.v1.get_variable("w", [4, MODEL, HIDDEN], initializer=_init(
+                [4, MODEL, HIDDEN], 3))
+            loss = tf.reduce_mean(tf.square(tf.einsum("EGCM,EMH->EGCH", hidden, w)))
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [sess.run([train_op, loss], {x: feed})[1] for _ in range(steps)]
+            stored = [v.op.name for v in tf.compat.v1.global_variables()]
+            return losses, sess.run(w), stored
+
+
+def test_expert_axis_from_a_dynamic_batch_dimension_is_split():
+    """The expert einsum's expert axis comes from a dynamic batch dimension: the split
+    slices it by the weight's expert count (it crashed with an internal TypeError).
+    Both replicas read the same 4 experts' rows, so the step equals single-device
+    training on them."""
+    experts = np.random.RandomState(4).randn(4, 2, CAPACITY, MODEL).astype(np.float32)
+    reference = _dynamic_expert_axis(False, experts)
+    result = _dynamic_expert_axis(True, np.concatenate([experts, experts]))
+    env.reset()
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result[1], reference[1], rtol=1e-5, atol=1e-6)
+    assert "w/part_0" in result[2] and "w/part_1" in result[2]
+
+
+class EplFFN(tf.compat.v1.layers.Layer):
+    """EPL's split_test FFN: expert weights built under epl.split(2), used under an
+    epl.split() of one device (EPL's worker count on one worker)."""
+
+    def build(self, input_shape):
+        with epl.split(2):
+            self.in_weights = self.add_weight("in_weights", (4, MODEL, HIDDEN), tf.float32)
+        super().build(input_shape)
+
+    def call(self, tokens):
+        with epl.split():
+            return tf.einsum("EGCM,EMH->EGCH", tokens, self.in_weights)
+
+
+def test_expert_weights_that_stay_whole_are_named_in_a_warning():
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = tf.compat.v1.placeholder(tf.float32, [4, 2, CAPACITY, MODEL])
+        with epl.replicate(1):
+            hidden = tf.nn.relu(tokens)
+        loss = tf.reduce_mean(EplFFN(name="ffn")(hidden))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    env.reset()
+    whole = [str(w.message) for w in caught if issubclass(w.category, SplitUnshardedVariableWarning)]
+    assert len(whole) == 1 and whole[0].startswith(
+        "epl.split: variable ffn/in_weights (shape [4, 8, 16]) is created under epl.split "), whole
+    assert "stays whole, not split over the 2 devices: it is used outside the split scope, by " \
+           "ffn/einsum/Einsum (type Einsum)" in whole[0]

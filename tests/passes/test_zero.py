@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import epl
+from epl import env
 from epl.errors import PassError
 from epl.passes.zero import optimizer_state_bytes
 
@@ -63,26 +64,49 @@ def test_optimizer_state_per_replica_is_one_nth(models, epl_env, replicas):
     assert sharded == {d: 2 * 4 * params // replicas for d in devices}
 
 
-def test_zero_with_gradient_clipping_is_refused(epl_env):
-    epl_env({"cluster.virtual_devices": 2, "zero.level": "v1"})
-    with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+def _clipped_step(clip: str, use_epl: bool, epl_env, steps: int = 3):
+    """Adam on gradients clipped per tensor (tf.clip_by_norm) or by their global norm;
+    (losses, w) after `steps` steps of 2 x 4 rows."""
+    env.reset()
+    if use_epl:
+        epl_env({"cluster.virtual_devices": 2, "zero.level": "v1"})
+    data = np.random.RandomState(1).randn(8 * steps, 3).astype(np.float32)
+    rows = 4 if use_epl else 8
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
         w = tf.compat.v1.get_variable("w", initializer=tf.ones([3, 1]), use_resource=True)
-        loss = tf.reduce_mean(tf.matmul(x, w))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
         opt = tf.compat.v1.train.AdamOptimizer(0.1)
         grads, variables = zip(*opt.compute_gradients(loss))
-        clipped, _ = tf.clip_by_global_norm(grads, 1.0)
-        opt.apply_gradients(zip(clipped, variables))
-        with pytest.raises(PassError) as err:
-            epl.parallelize(graph)
-    message = str(err.value)
-    assert message.startswith("pass 'zero' rejected the graph before any rewrite: zero.level 'v1' "
-                              "cannot be combined with processing the gradients between "
-                              "compute_gradients and apply_gradients (clipping, scaling): the "
-                              "gradient of w is read by ")
-    assert message.endswith("ZeRO reduce-scatters each gradient, so no replica ever holds the "
-                            "whole reduced gradient that a global norm needs. Remove the gradient "
-                            "processing, or turn ZeRO off (zero.level '').")
+        if clip == "per_tensor":
+            clipped = [tf.clip_by_norm(g, 0.5) for g in grads]
+        else:
+            clipped, _ = tf.clip_by_global_norm(grads, 0.5)
+        train_op = opt.apply_gradients(zip(clipped, variables))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [sess.run([train_op, loss], {x: data[i * 8:(i + 1) * 8]})[1]
+                      for i in range(steps)]
+            return losses, sess.run(w)
+
+
+def test_zero_refuses_processing_it_cannot_shard_and_its_remedy_works(epl_env):
+    """Clipping each gradient by its own norm sums over some axes only (keep_dims): ZeRO
+    names the op and the remedy; the remedy (clip_by_global_norm, whose squared norms
+    ZeRO sums over the replicas' shards) equals single-device training."""
+    with pytest.raises(PassError) as err:
+        _clipped_step("per_tensor", True, epl_env)
+    assert str(err.value) == (
+        "pass 'zero' rejected the graph before any rewrite: zero.level 'v1' cannot shard "
+        "clip_by_norm/Sum (Sum) in the update of w: ZeRO computes the gradient processing and "
+        "the update on 1/N of each variable, element by element, and sums over the replicas "
+        "only what adds up over elements (the squared norms of clip_by_global_norm). Compute "
+        "the processing from those (tf.clip_by_global_norm, scaling by a scalar), or turn ZeRO "
+        "off (zero.level '').")
+    reference = _clipped_step("global", False, epl_env)
+    result = _clipped_step("global", True, epl_env)
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result[1], reference[1], rtol=1e-5, atol=1e-6)
 
 
 def test_zero_with_reference_variables_is_refused(models, epl_env):

@@ -168,3 +168,29 @@ def test_checkpoints_kill_at_step_12_and_resume_from_10_match_plain_tensorflow(t
         report(f"checkpoint {mode}, rank {rank}: kill at 12, resume from 10 vs plain TF 20 "
                f"steps: largest difference {worst:.2f} x the noise-floor tolerance")
         assert_matches_plain(record["variables"], batches, 10, 20, str(saved / "model.ckpt-10"))
+
+
+def test_moving_statistics_metrics_and_zero_clipping_across_two_workers(tmp_path):
+    """2 workers x 2 replicas: batch norm's moving statistics follow their rule over the
+    job's 4 units and are the same on both workers; tf.compat.v1.metrics (update ops in
+    GLOBAL_MEAN_OBJECTS, value ops) are the job's global batch's; ZeRO with BERT's
+    optimizer (clip_by_global_norm, assign ops) equals single-device training."""
+    result = _horovodrun("consistency_worker.py", str(tmp_path), timeout=240)
+    assert result.returncode == 0, _errors(result.stdout + result.stderr)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        reference = record["reference"]
+        for rule in ("replica0", "mean"):
+            run, expected = record[rule], record[f"{rule}_expected"]
+            for key in ("moving_mean", "moving_variance"):
+                np.testing.assert_allclose(run[key], expected[key], rtol=1e-5, err_msg=key)
+                np.testing.assert_allclose(run[key], records[0][rule][key], rtol=0, atol=0)
+            np.testing.assert_allclose(run["updates"], reference["updates"], rtol=1e-5)
+            np.testing.assert_allclose(run["values"], reference["values"], rtol=1e-5)
+        np.testing.assert_allclose(record["mean"]["moving_mean"], reference["moving_mean"],
+                                   rtol=1e-5)
+        zero, plain = record["zero"], record["zero_reference"]
+        np.testing.assert_allclose(zero["losses"], plain["losses"], rtol=1e-5)
+        for name, value in plain["variables"].items():
+            np.testing.assert_allclose(zero["variables"][name], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=name)

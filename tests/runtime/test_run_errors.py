@@ -200,3 +200,34 @@ def test_save_into_a_removed_directory_names_it(epl_env, tmp_path):
         "at global step 6: saving the checkpoint %s failed: its directory %s no longer exists "
         "(TensorFlow: %s_temp; No such file or directory). No intact checkpoint is left in %s."
         % (root / "model.ckpt-6", root, root / "model.ckpt-6", root))
+
+
+def test_a_short_last_batch_is_logged_with_the_rows_dropped(epl_env, caplog):
+    """A dataset without drop_remainder whose last batch is short (10 rows in batches of
+    4: 4, 4, 2): the second step's second replica finds no batch; the error is the end of
+    the input (MonitoredTrainingSession stops on it), and the 2 rows the step drops are
+    logged."""
+    epl_env({"cluster.virtual_devices": 2})
+    with tf.Graph().as_default():
+        data = np.arange(30, dtype=np.float32).reshape(10, 3)
+        x = tf.compat.v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensor_slices(data).batch(4)).get_next()
+        import epl
+        with epl.replicate(1):
+            w = tf.compat.v1.get_variable("w", [3, 1])
+            loss = tf.reduce_mean(tf.matmul(x, w))
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        with tf.compat.v1.Session() as sess, caplog.at_level("WARNING", logger="epl"):
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            with pytest.raises(tf.errors.OutOfRangeError) as info:
+                sess.run(train)
+    said = ("the input ran out of data within a step: unit 1 of the 2 units (replicas x "
+            "micro-batches) of this step found no batch, so the 2 row(s) the units before it "
+            "drew are dropped and the step does not run (EPL runs whole steps: use "
+            "Dataset.batch(..., drop_remainder=True) and a number of batches divisible by 2 "
+            "to drop nothing). ")
+    assert str(info.value.message).startswith("at global step 1: " + said)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "at global step 1: " + said]

@@ -54,6 +54,7 @@ def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inpu
     `EPL_MICRO_BATCH_<m>/` when M > 1).
     """
     shape_consts = inputs.shape_constants
+    shared = view.writes.shared_variables
     batch, sources, copiers = NodeBatch(view.graph), {}, {}
     for unit in units:
         k, m = unit
@@ -66,6 +67,8 @@ def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inpu
             var = variable_read(op)
             if var is not None and var in mirrors:  # read where the variable lives
                 return mirrors[var][k].device
+            if var is not None and var in shared:  # one variable every unit adds into
+                return var.device
             if device_of is not None:
                 device = device_of(op, k)
                 if device is not None:

@@ -62,6 +62,7 @@ from epl.ir.clone import COLOCATION_ATTR, NodeBatch, copy_node_def
 from epl.ir.graph_view import (ITERATOR_OUTPUT_TYPES, PLACEHOLDER_TYPES, ancestors,
                                calls_functions, descendants)
 from epl.passes.split.boundary import batch_axes, scratch_placeholder
+from epl.runtime.run_errors import SHORT_INPUT_MARKER
 
 BATCH_MODE_KEY = "io.batch_mode"
 REPLICA_MODE, GLOBAL_MODE = "replica", "global"
@@ -444,6 +445,35 @@ def _replica_inputs(view, plan, micro: int, host: str):
 
 
 def _draws(op: tf.Operation, units: int) -> list[tf.Operation]:
+    """[the user's GetNext, then one draw per further unit], each drawing after the one
+    before it (control edges), on the iterator's device.
+
+    A further unit draws through an optional (IteratorGetNextAsOptional): when the input
+    ends within a step (a dataset without drop_remainder, or one whose batches do not
+    fill the last step), its check fails with SHORT_INPUT_MARKER and the rows the earlier
+    units of the step drew, which the session reports as the end of the input and logs
+    as the rows dropped (no silent loss of the short last batch)."""
+    if op.type != "IteratorGetNext" or units == 1:
+        return _copied_draws(op, units)
+    types, shapes = op.get_attr("output_types"), op.get_attr("output_shapes")
+    draws = [op]
+    rows_of = next((i for i, t in enumerate(op.outputs) if t.shape.rank != 0), None)
+    with tf.device(op.device), tf.name_scope(FEED_SCOPE):
+        for unit in range(1, units):
+            with tf.control_dependencies([draws[-1]]):
+                optional = tf.raw_ops.IteratorGetNextAsOptional(
+                    iterator=op.inputs[0], output_types=types, output_shapes=shapes)
+                drawn = tf.add_n([tf.shape(d.outputs[rows_of], out_type=tf.int64)[0]
+                                  for d in draws]) if rows_of is not None else tf.constant(0, tf.int64)
+                check = tf.debugging.Assert(tf.raw_ops.OptionalHasValue(optional=optional),
+                                            [SHORT_INPUT_MARKER, drawn, unit, units])
+                with tf.control_dependencies([check]):
+                    draws.append(tf.raw_ops.OptionalGetValue(
+                        optional=optional, output_types=types, output_shapes=shapes)[0].op)
+    return draws
+
+
+def _copied_draws(op: tf.Operation, units: int) -> list[tf.Operation]:
     """[the user's GetNext, then one copy per further unit], each drawing after the
     one before it (control edges), on the iterator's device; one import."""
     batch = NodeBatch(op.graph)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.graph_keys import merge_requests
-from epl.ir.clone import replace_input
+from epl.ir.clone import replace_input, with_dynamic_rows
+from epl.ir.consistency import SUMMARY_TYPES  # summaries read merged values
 
-# Summary ops that read a merged tensor (the loss) read the merged value instead.
-SUMMARY_TYPES = frozenset({"ScalarSummary", "HistogramSummary", "WriteScalarSummary",
-                           "WriteHistogramSummary", "TensorSummary", "TensorSummaryV2",
-                           "WriteSummary"})
+# Summaries of one value: they read a merged value of the tensor's own shape only (the
+# others take any shape: a histogram, an image batch or a text of every replica's rows).
+_SCALAR_SUMMARY_TYPES = frozenset({"ScalarSummary", "WriteScalarSummary"})
 
 
 def merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dict:
@@ -35,14 +35,26 @@ def merge_fetches(graph, view, unit_maps, weights, devices, communicator) -> dic
         if parts is None:
             continue
         with tf.device(devices.get(tensor.op, "/device:CPU:0")), tf.name_scope("EPL_MERGED"):
-            merged[tensor] = _merge(parts, weights, kind, communicator, tensor.name)
+            merged[tensor] = merge_parts(parts, weights, kind, communicator, tensor.name)
         if tensor.op not in unit_maps[0]:
             continue  # a batch input: EPL's own slicing and the ops outside read unit 0's
+        same_shape = tensor.shape == merged[tensor].shape
         for consumer in list(tensor.consumers()):
-            if (consumer not in devices or consumer.type in SUMMARY_TYPES) \
-                    and tensor.shape == merged[tensor].shape:
-                replace_input(consumer, tensor, merged[tensor])
+            if _reads_merged(consumer, devices, same_shape):
+                with tf.device(merged[tensor].device), tf.name_scope("EPL_MERGED"):
+                    value = merged[tensor] if same_shape else with_dynamic_rows(merged[tensor],
+                                                                                tensor)
+                replace_input(consumer, tensor, value)
     return merged
+
+
+def _reads_merged(consumer, devices, same_shape: bool) -> bool:
+    """Whether `consumer` of a merged tensor reads the merged value: an op outside the
+    replicated model (of the same shape), or a summary (a scalar one of the same
+    shape; a histogram, image, audio or text summary of any: every replica's rows)."""
+    if consumer.type in SUMMARY_TYPES:
+        return same_shape or consumer.type not in _SCALAR_SUMMARY_TYPES
+    return consumer not in devices and same_shape
 
 
 def _unit_parts(tensor: tf.Tensor, unit_maps) -> list[tf.Tensor] | None:
@@ -59,8 +71,8 @@ def _unit_parts(tensor: tf.Tensor, unit_maps) -> list[tf.Tensor] | None:
     return None
 
 
-def _merge(parts: list[tf.Tensor], weights: list, kind: str, communicator,
-           label: str | None = None) -> tf.Tensor:
+def merge_parts(parts: list[tf.Tensor], weights: list, kind: str, communicator,
+                label: str | None = None) -> tf.Tensor:
     """Merge per-replica values; across workers too (every worker must fetch it).
     label: the merged tensor's name (it names the cross-worker collective)."""
     if kind == "concat":

@@ -54,7 +54,9 @@ def _draw_origins(replication: Replication, origins: dict) -> None:
     first: dict = {}
     units: dict = {}
     for draw in replication.draws:
-        iterator = tuple(draw.inputs)
+        # a further unit's draw reads the iterator through an optional
+        source = draw.inputs[0].op if draw.type == "OptionalGetValue" else draw
+        iterator = tuple(source.inputs)
         if iterator not in first:
             first[iterator] = draw
             units[iterator] = 0

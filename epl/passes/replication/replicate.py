@@ -249,7 +249,8 @@ class ReplicatePass(GraphPass):
             micro, forward_copies, built.backward_ops, loss_copies, built.presummed,
             split_gradients, dict(unit_inputs.feeds), list(unit_inputs.draws),
             built.unit_gradients or {(k, 0): gradients[k] for k in range(replicas)},
-            list(unit_inputs.micro_scales)))
+            list(unit_inputs.micro_scales), list(unit_inputs.unit_weights),
+            dict(unit_inputs.tensors)))
         ctx.provide(ReplicaGradients(list(per_gradient), list(split_gradients)))
         if built.gradient_check is not None:
             ctx.provide(GradientCheck(*built.gradient_check))
@@ -283,7 +284,8 @@ def _place(graph, view, plan) -> None:
     mirrored = set(view.variables)
     for op in graph.get_operations():
         taskgraph = view.taskgraph_of.get(op)
-        if taskgraph is not None and taskgraph.name in split and op not in mirrored:
+        if taskgraph is not None and taskgraph.name in split and op not in mirrored \
+                and op.device:   # split ops keep their devices; the script's others follow
             continue
         if op in replica or (op in view.taskgraph_of and op.type in ("VarHandleOp", "VariableV2")):
             graph_mutation.set_device(op, plan.device(view.taskgraph_of[op], 0))

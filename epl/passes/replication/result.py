@@ -40,6 +40,8 @@ class Replication:
     unit_gradients: (replica, micro-batch) -> that unit's gradients, aligned with
       view.gradients (what the accumulate pass adds).
     micro_scales: per replica, per micro-batch, its share of the replica's examples.
+    unit_weights: per unit (replica-major), its share of the global batch.
+    unit_batches: template batch tensor -> what each unit reads in its place.
     """
 
     gradients: list
@@ -58,6 +60,31 @@ class Replication:
     draws: list = dataclasses.field(default_factory=list)
     unit_gradients: dict = dataclasses.field(default_factory=dict)
     micro_scales: list = dataclasses.field(default_factory=list)
+    unit_weights: list = dataclasses.field(default_factory=list)
+    unit_batches: dict = dataclasses.field(default_factory=dict)
+
+    def units(self) -> list:
+        """Every (replica, micro-batch) unit, replica-major (global batch order)."""
+        return sorted(self.forward_copies)
+
+    def copy_in(self, tensor, unit: tuple):
+        """What unit `unit` has in place of the template forward `tensor` (None: no copy)."""
+        copy = self.forward_copies.get(unit, {}).get(tensor.op)
+        return None if copy is None else copy.outputs[tensor.value_index]
+
+    def replica_op(self, op, replica: int):
+        """Replica `replica`'s copy of the update op `op` (replica 0: `op` itself)."""
+        return op if replica == 0 else self.replica_maps[replica].get(op)
+
+    def copies_of(self, tensor) -> list:
+        """Every copy of the template `tensor` the passes made: each unit's forward copy
+        and each replica's copy of an update op (for feeds that must reach them all)."""
+        found = [c for c in (self.copy_in(tensor, u) for u in self.units()) if c is not None]
+        for op_map in self.replica_maps[1:]:
+            copy = op_map.get(tensor.op)
+            if copy is not None and all(copy is not c.op for c in found):
+                found.append(copy.outputs[tensor.value_index])
+        return found
 
 
 @dataclasses.dataclass

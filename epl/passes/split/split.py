@@ -410,11 +410,15 @@ class _Rewriter:
             self.layouts[pending.read] = layout
         return layout
 
-    def slice(self, tensor: tf.Tensor, axis: int, sizes) -> Sharded:
-        """Slot j's slice of a full tensor along `axis` (a dispatch slice)."""
+    def slice(self, tensor: tf.Tensor, axis: int, sizes, extent: int | None = None,
+              what: str = "") -> Sharded:
+        """Slot j's slice of a full tensor along `axis` (a dispatch slice). extent: the
+        axis's length where the tensor's static shape does not know it (a dynamic batch
+        dimension read as the expert axis: the weight's expert count); what: the op,
+        for the error when neither knows it."""
         rank = tensor.shape.rank
         parts = []
-        offsets = self.offsets(list(sizes), int(tensor.shape[axis]))
+        offsets = self.offsets(list(sizes), _extent_of(tensor, axis, extent, what))
         for j, (size, offset) in enumerate(zip(sizes, offsets)):
             begin = [0] * rank
             extent = [-1] * rank
@@ -426,7 +430,7 @@ class _Rewriter:
         return Sharded(parts, axis, tuple(sizes))
 
     def slice_chunks(self, tensor: tf.Tensor, axis: int, sizes, chunk_axis: int,
-                     what: str) -> list:
+                     what: str, full: int | None = None) -> list:
         """The chunked dispatch (`split.moe_chunks` = C > 1): slot j's slice of a
         full tensor along `axis`, cut into C equal chunks along `chunk_axis` (the
         tokens' capacity axis); one Sharded per chunk. Each chunk is its own
@@ -443,7 +447,7 @@ class _Rewriter:
                 "or give the tokens a static capacity divisible by it.")
         rank = tensor.shape.rank
         step = extent // chunks
-        offsets = self.offsets(list(sizes), int(tensor.shape[axis]))
+        offsets = self.offsets(list(sizes), _extent_of(tensor, axis, full, what))
         out = []
         for c in range(chunks):
             parts = []
@@ -765,7 +769,7 @@ def _expert_matmul(rw: _Rewriter, op, layouts):
             return KEEP if _is_full(lb) else None
         if rw.moe_chunks > 1:      # the chunked dispatch: one slice and matmul per chunk
             return _chunked_expert_matmul(rw, op, rw.value(la, a), a_axis, sb)
-        sa = rw.slice(rw.value(la, a), a_axis, sb.sizes)
+        sa = rw.slice(rw.value(la, a), a_axis, sb.sizes, experts, f"{op.name} ({op.type})")
     if sb is None:
         return None
     adj_x, adj_y = op.get_attr("adj_x"), op.get_attr("adj_y")
@@ -784,7 +788,8 @@ def _chunked_expert_matmul(rw: _Rewriter, op, tokens, a_axis: int, sb: Sharded):
     adj_x, adj_y = op.get_attr("adj_x"), op.get_attr("adj_y")
     rank = tokens.shape.rank
     chunk_axis = rank - 1 if adj_x else rank - 2
-    chunks = rw.slice_chunks(tokens, a_axis, sb.sizes, chunk_axis, f"{op.name} ({op.type})")
+    chunks = rw.slice_chunks(tokens, a_axis, sb.sizes, chunk_axis, f"{op.name} ({op.type})",
+                             _static_dim(op.inputs[1], 0))
     results = []
     for chunk in chunks:
         parts = []
@@ -943,9 +948,10 @@ def _einsum(rw: _Rewriter, op, layouts):
         elif chunk_label is not None and i == sliced[0]:
             chunked = (i, rw.slice_chunks(rw.value(layout, tensor), axis, sizes,
                                           labels[i].index(chunk_label),
-                                          f"{op.name} ({op.type})"))
+                                          f"{op.name} ({op.type})", int(full)))
         else:
-            parts_of[i] = rw.slice(rw.value(layout, tensor), axis, sizes).parts
+            parts_of[i] = rw.slice(rw.value(layout, tensor), axis, sizes, int(full),
+                                   f"{op.name} ({op.type}, {op.get_attr('equation')!r})").parts
     if chunked is not None:       # the chunked dispatch: one einsum per chunk and slot
         index, chunks = chunked
         results = []
@@ -961,6 +967,22 @@ def _einsum(rw: _Rewriter, op, layouts):
     if label in out:
         return [Sharded(parts, out.index(label), sizes)]
     return [Partial(parts)]
+
+
+def _extent_of(tensor: tf.Tensor, axis: int, known: int | None, what: str) -> int:
+    """The length of `tensor`'s `axis`: static, else `known`; a ParallelizeError naming
+    the op and the dimension when neither says it."""
+    static = tensor.shape[axis] if tensor.shape.rank is not None else None
+    if static is not None:
+        return int(static)
+    if known is not None:
+        return int(known)
+    raise ParallelizeError(
+        f"{what or 'an op of the split part'} slices {tensor.name} (shape "
+        f"{tensor.shape.as_list() if tensor.shape.rank is not None else 'unknown'}) along "
+        f"dimension {axis}, whose length is only known at run time: EPL cuts it among the "
+        "split devices when the graph is built. Give that dimension a static size (a "
+        "placeholder or reshape with it, not None or -1).")
 
 
 def _check_whole_experts(rw: _Rewriter, op, layout: Pending, tensor, axis: int, label: str):
@@ -1084,7 +1106,7 @@ def _bias_add(rw: _Rewriter, op, layouts):
     last = x.shape.rank - 1 if x.shape.rank is not None else None
     if lx.axis == last:
         sb = _as_sharded(rw, lb, bias, 0, lx.sizes) if isinstance(lb, (Pending, Sharded)) else \
-            rw.slice(rw.value(lb, bias), 0, lx.sizes)
+            rw.slice(rw.value(lb, bias), 0, lx.sizes, sum(lx.sizes), f"{op.name} ({op.type})")
         if sb is None:
             return None
         parts = [sb.parts[j] for j in range(rw.k)]
@@ -1225,7 +1247,8 @@ def _softmax_ce(rw: _Rewriter, op, layouts):
     if not isinstance(ll, Sharded) or ll.axis != logits.shape.rank - 1 or op.outputs[1].consumers():
         return None
     sl = lab if isinstance(lab, Sharded) and lab.axis == ll.axis and lab.sizes == ll.sizes \
-        else (rw.slice(rw.value(lab, labels), ll.axis, ll.sizes) if _is_full(lab) else None)
+        else (rw.slice(rw.value(lab, labels), ll.axis, ll.sizes, sum(ll.sizes),
+                       f"{op.name} ({op.type})") if _is_full(lab) else None)
     if sl is None:
         return None
     log_sum = _softmax_parts(rw, op, ll)
