@@ -202,9 +202,11 @@ def _user_gradients(original, *args, **kwargs):
     sparse_as_dense = bool(get_config().get("communication.sparse_as_dense"))
     if sparse_as_dense:   # as compute_gradients: the script gets (and reduces) dense ones
         grads = [_densify(g) for g in grads]
-    pairs = [(g, x) for g, x in zip(grads, call["xs"]) if isinstance(x, tf.Variable)]
+    differentiated = (list(call["xs"]) if isinstance(call["xs"], (list, tuple))
+                      else [call["xs"]])   # tf.gradients(y, x) takes one tensor too
+    pairs = [(g, x) for g, x in zip(grads, differentiated) if isinstance(x, tf.Variable)]
     backward = graph.get_operations()[first:]   # not the concatenation of shards' gradients
-    grads = _whole_gradients(grads, variables, call["xs"])
+    grads = _whole_gradients(grads, variables, differentiated)
     if isinstance(loss, tf.Tensor) and pairs:
         grad_ys = call.get("grad_ys")
         kwargs_ = dict(gate_gradients=_Optimizer.GATE_OP if call.get("gate_gradients")

@@ -116,10 +116,14 @@ class ReducedGradients:
     """What the gradient_comm pass reduced: variable name -> how many reductions its
     gradient got (the verify pass checks it is one each); gathered: the values and
     indices of the sparse gradients every replica's update reads, gathered from every
-    replica into one tensor each (the same on every replica)."""
+    replica into one tensor each (the same on every replica); shapes: the shape tensors
+    of replica 0's dense gradients that a fused bucket reads to split and reshape its
+    reduced vector where a gradient's static shape is unknown (a gradient has its
+    variable's shape, the same on every replica, whatever each replica's batch)."""
 
     counts: dict
     gathered: tuple = ()
+    shapes: tuple = ()
 
 
 class GradientCommPass(GraphPass):
@@ -149,6 +153,7 @@ class GradientCommPass(GraphPass):
         needs_comm = len(per_gradient[0][1]) > 1 or ctx.communicator.num_workers > 1 if per_gradient else False
         reduced_of: dict[str, int] = {}
         gathered: list = []
+        shapes: list = []
         buckets: list[Bucket] = []
         if needs_comm:
             buckets, bucket_members = [], []
@@ -163,7 +168,7 @@ class GradientCommPass(GraphPass):
                                            options.fusion_threshold_bytes, options.max_splits):
                     buckets.append(bucket)
                     bucket_members.append([dense[i] for i in bucket.members])
-            _reduce_buckets(graph, ctx.communicator,
+            shapes += _reduce_buckets(graph, ctx.communicator,
                             [[per_gradient[i][1] for i in members] for members in bucket_members],
                             replication.weights, method, even, fp16_scale,
                             [[per_gradient[i][0].name for i in members]
@@ -183,7 +188,7 @@ class GradientCommPass(GraphPass):
                     _rewire_sparse(original, grads[0].values, grads[0].indices,
                                    grads[0].dense_shape)
         reduced_of.update(sharded)
-        ctx.provide(ReducedGradients(reduced_of, tuple(gathered)))
+        ctx.provide(ReducedGradients(reduced_of, tuple(gathered), tuple(shapes)))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{len(per_gradient)} gradients in {len(buckets)} buckets ({method}"
@@ -244,11 +249,12 @@ def _rewire_sparse(original: tf.IndexedSlices, values: tf.Tensor, indices: tf.Te
 # fp16, the collective, split) are built through the Python API.
 
 def _reduce_buckets(graph: tf.Graph, communicator, buckets: list, weights: list, method: str,
-                    even: bool, fp16_scale: float | None, names: list | None = None) -> None:
+                    even: bool, fp16_scale: float | None, names: list | None = None) -> list:
     """Flatten, weight, reduce once, split back and rewire each bucket.
 
     buckets: per bucket, per member gradient, its copy per replica; names: per
     bucket, its variables' names (they name the cross-worker collective).
+    Returns the shape tensors the buckets read (ReducedGradients.shapes).
     """
     replicas = len(buckets[0][0]) if buckets else 0
     grads_of = [[[member[k] for member in bucket] for k in range(replicas)] for bucket in buckets]
@@ -257,6 +263,7 @@ def _reduce_buckets(graph: tf.Graph, communicator, buckets: list, weights: list,
     reduced = [_reduce_flat(communicator, grads, vectors, weights, method, even, fp16_scale, n)
                for grads, vectors, n in zip(grads_of, vectors_of, names)]
     _reshape_and_rewire(graph, grads_of, reduced)
+    return [s for _, shapes in reduced for s in (shapes or ())]
 
 
 def _is_vector(tensor: tf.Tensor) -> bool:

@@ -226,7 +226,8 @@ def check_replica_consistency(view, replication, consistent, gradients=None,
                                         for d in shared for u in units}
     replicated = {copy for copies in replication.mirrors.values() for copy in copies}
     clean = list(replication.merged.values()) + list(consistent.clean if consistent else ())
-    clean += list(reduced.gathered if reduced is not None else ())
+    if reduced is not None:   # gathered sparse gradients, dense gradients' shapes
+        clean += list(reduced.gathered) + list(reduced.shapes)
     # a split variable's gradient: one autodiff over every replica's loss, one tensor
     clean += [t for _, g in replication.split_gradients
               for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]

@@ -308,14 +308,27 @@ def tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | Non
         graph_mutation.set_attr(op, REPLICA_ATTR, replica_attr)
         if micro_attr is not None:
             graph_mutation.set_attr(op, MICRO_BATCH_ATTR, micro_attr)
+        producers = [t.op for t in op.inputs] + list(op.control_inputs)
+        # the replica's own ops first: an op every replica shares (a fed placeholder
+        # that is not copied) sits on replica 0's device
         source = colocation_root(op) or next(
-            (producer for producer in [t.op for t in op.inputs] + list(op.control_inputs)
+            (producer for producer in producers if _int_attr(producer, REPLICA_ATTR) == replica),
+            None) or next(
+            (producer for producer in producers
              if _string_attr(producer, TASKGRAPH_ATTR) is not None), None)
         taskgraph = _string_attr(source, TASKGRAPH_ATTR) if source is not None else None
         if taskgraph is not None:
             graph_mutation.set_attr(op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph))
         graph_mutation.set_device(
             op, source.device if source is not None and source.device else fallback_device)
+
+
+def _int_attr(op: tf.Operation, name: str) -> int | None:
+    """op's int attribute `name`, or None."""
+    try:
+        return op.get_attr(name)
+    except ValueError:
+        return None
 
 
 def _string_attr(op: tf.Operation, name: str) -> bytes | None:

@@ -465,8 +465,10 @@ def _draws(op: tf.Operation, units: int) -> list[tf.Operation]:
                     iterator=op.inputs[0], output_types=types, output_shapes=shapes)
                 drawn = tf.add_n([tf.shape(d.outputs[rows_of], out_type=tf.int64)[0]
                                   for d in draws]) if rows_of is not None else tf.constant(0, tf.int64)
-                check = tf.debugging.Assert(tf.raw_ops.OptionalHasValue(optional=optional),
-                                            [SHORT_INPUT_MARKER, drawn, unit, units])
+                # the raw op: tf.debugging.Assert guards it with a cond (an If and two
+                # functions in the graph per draw)
+                check = tf.raw_ops.Assert(condition=tf.raw_ops.OptionalHasValue(optional=optional),
+                                          data=[SHORT_INPUT_MARKER, drawn, unit, units])
                 with tf.control_dependencies([check]):
                     draws.append(tf.raw_ops.OptionalGetValue(
                         optional=optional, output_types=types, output_shapes=shapes)[0].op)
