@@ -17,10 +17,11 @@ rewriting it (what `epl-plan --script` plans): EPL's own session and
 parallelize hooks stop the script there while the capture flag is set.
 
 `epl.init` does not refuse eager execution (EPL did): TensorFlow 2 executes
-eagerly by default and building the model inside ``with
-tf.Graph().as_default():`` after `epl.init` is a valid use. The first thing
-that needs graph mode (a strategy scope, `epl.parallelize`) refuses eager
-mode with the fix.
+eagerly by default, and both eager programs (tf.function steps, Keras 3 `fit`:
+epl/hooks/function.py) and graphs built inside ``with tf.Graph().as_default():``
+after `epl.init` are valid uses. Under eager execution it also creates the
+virtual CPU devices (`cluster.virtual_devices`) in the eager context, which is
+only possible before TensorFlow runs its first op.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from epl.hooks.record import EAGER_HINT, record_of
 from epl.ir.record import GraphRecord
 from epl.observability.logs import configure as configure_logging
 from epl.parallel import ParallelGraph, parallelize as _parallelize
-from epl.runtime.cluster import local_cluster
+from epl.runtime.cluster import local_cluster, use_virtual_cpus
 
 
 def init(config: Config | dict | None = None) -> Config:
@@ -58,6 +59,8 @@ def init(config: Config | dict | None = None) -> Config:
     env.set_cluster_factory(local_cluster)
     hooks.install()
     configure_logging(config.get("debug.log_level"))
+    if tf.executing_eagerly():   # eager TensorFlow 2: tf.function steps run on these
+        use_virtual_cpus(int(config.get("cluster.virtual_devices")))
     return config
 
 

@@ -8,6 +8,10 @@ Every error names what is wrong and how to fix it. They all derive from
 class EPLError(Exception):
     """Base class of every error EPL raises on purpose."""
 
+    # raised while a tf.function is traced, it reaches the user as it is: autograph
+    # passes it through instead of prefixing the message with its own trace
+    ag_pass_through = True
+
 
 class ConfigError(EPLError, ValueError):
     """An unknown configuration key or a value of the wrong type or range."""

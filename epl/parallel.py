@@ -128,12 +128,15 @@ def _instruments(config, continues: bool = False) -> list:
 
 
 def config_of(record: GraphRecord):
-    """The config `record`'s graph is rewritten under: the active one, which must be
-    the one the graph was annotated under.
+    """The config `record`'s graph is rewritten under: the record's rewrite_config when
+    its maker gave one, else the active one, which must be the one the graph was
+    annotated under.
 
     Raises ParallelizeError for a graph EPL annotated under an earlier `epl.init`
     config that differs from the active one.
     """
+    if record.rewrite_config is not None:
+        return record.rewrite_config
     config = get_config()
     built_under = record.config
     if built_under is not None and built_under != config:
@@ -212,7 +215,8 @@ class ParallelGraph:
     tracer: object = None
     # the replicate pass's record (epl/passes/replication/result.py): every unit's copies
     # and the mirrors; the session feeds every copy of a fed tensor, and answers a fetch
-    # of a per-replica tensor with the first unit's copy
+    # of a per-replica tensor with the first unit's copy; the tf.function integration
+    # (epl/hooks/function.py) rebuilds a traced function from it
     replication: object = None
     # the graph's op count once rewritten: a fetch of a newer op was built afterwards
     ops_after_rewrite: int = 0

@@ -3,17 +3,22 @@
 Entering a scope registers a TaskGraph on the default graph and tags every op
 created inside it with the node attribute `_epl_taskgraph` (through the graph's
 attribute scope, never through op names). Scopes do not nest.
+
+That holds in graph mode and while a `tf.function` is traced (the default graph
+is then the function's FuncGraph). Entered eagerly (TensorFlow 2's default,
+outside any trace), a scope annotates the Keras layers constructed inside it
+(epl/hooks/eager_scopes.py).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
-import warnings
 
 import tensorflow as tf
 
 from epl.errors import ScopeError
+from epl.hooks import eager_scopes
+from epl.hooks.eager_scopes import register as _register, taskgraph_attr
 from epl.hooks.record import default_graph_record
 from epl.ir.annotations import TASKGRAPH_ATTR, StrategyKind, StrategySpec
 
@@ -25,11 +30,6 @@ LEGACY_KERAS_HINT = ("EPL: tf.compat.v1.layers needs legacy Keras: install tf-ke
                      "version as TensorFlow) and set TF_USE_LEGACY_KERAS=1 in the environment "
                      "before TensorFlow is imported, e.g. `TF_USE_LEGACY_KERAS=1 python "
                      "train.py` (README, \"Legacy layers\").")
-
-
-def taskgraph_attr(name: str) -> tf.compat.v1.AttrValue:
-    """The AttrValue that tags an op with TaskGraph `name`."""
-    return tf.compat.v1.AttrValue(s=name.encode())
 
 
 class Strategy:
@@ -46,8 +46,12 @@ class Strategy:
                                  name or f"{kind.value}_{next(_AUTO_NAMES)}")
         self._stack = None
         self._record = None
+        self._eager_uses = None   # the use count when entered eagerly (None: not eager)
 
     def __enter__(self) -> "Strategy":
+        if eager_scopes.eager_now():
+            self._eager_uses = eager_scopes.enter(self.spec)
+            return self
         graph, state = default_graph_record(self.spec.describe())
         if state.scope_stack:
             outer = state.scope_stack[-1]
@@ -64,6 +68,12 @@ class Strategy:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        if self._eager_uses is not None:
+            uses, self._eager_uses = self._eager_uses, None
+            eager_scopes.leave(self.spec, uses, exc_type is not None)
+            if exc is not None:
+                add_legacy_keras_hint(exc)
+            return
         self._record.scope_stack.pop()
         self._record = None
         self._stack.close()
@@ -78,29 +88,6 @@ def add_legacy_keras_hint(exc: BaseException) -> None:
     if isinstance(exc, AttributeError) and KERAS_3_MESSAGE in str(exc) and \
             LEGACY_KERAS_HINT not in getattr(exc, "__notes__", ()):
         exc.add_note(LEGACY_KERAS_HINT)
-
-
-def _register(state, spec: StrategySpec) -> None:
-    existing = state.taskgraph(spec.name)
-    if existing is not None and existing.spec != spec:
-        raise ScopeError(
-            f"{spec.describe()} reuses the name of {existing.spec.describe()}; a TaskGraph name "
-            "can be reused only with the same strategy. Pick a different name.")
-    if existing is None and spec.kind == StrategyKind.SPLIT and spec.device_count == 1:
-        _warn_split_on_one_device(spec)
-    state.add_taskgraph(spec)
-
-
-def _warn_split_on_one_device(spec: StrategySpec) -> None:
-    """Warn (SplitFallbackWarning, and the "epl" logger) that a split TaskGraph of one
-    device splits nothing: its variables stay whole on that device (EPL said nothing)."""
-    from epl.passes.split.split import SplitFallbackWarning
-
-    message = (f"{spec.describe()} spans one device, so nothing under it is split: its "
-               "variables (expert weights, a classifier) stay whole on one device. Give "
-               "device_count >= 2 (e.g. the worker's device count) to split them.")
-    logging.getLogger(__name__).warning("%s", message)
-    warnings.warn(message, SplitFallbackWarning, stacklevel=4)
 
 
 def replicate(device_count: int = 1, name: str | None = None) -> Strategy:
@@ -119,6 +106,12 @@ def set_default_strategy(strategy: Strategy | None) -> None:
     Calling it again switches the default (how EPL scripts mark pipeline stages
     layer by layer); None clears it. Explicit scopes still take precedence.
     """
+    if eager_scopes.eager_now():
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise ScopeError("epl.set_default_strategy expects epl.replicate(...) or "
+                             f"epl.split(...), got {type(strategy).__name__}")
+        eager_scopes.set_default(None if strategy is None else strategy.spec)
+        return
     graph, state = default_graph_record("epl.set_default_strategy")
     if state.default_scope_exit is not None:
         state.default_scope_exit.close()

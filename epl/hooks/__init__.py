@@ -7,6 +7,9 @@ parallel (the layer between EPL's API and its driver, epl/parallel.py).
 - `epl.hooks.session`: parallelize time (the first session on an annotated
   graph, MonitoredTrainingSession's scaffold) and run time (fetches of merged
   tensors, feeds, variable sync, bounded multi-worker runs).
+- `epl.hooks.function`: tf.function training steps in eager TensorFlow 2 (the
+  tape inside a trace, the rewrite of the traced graph); `epl.hooks.keras`: Keras 3
+  layers (their scopes) and optimizers (their updates).
 - Savers: checkpoints of split variables under their single-device names
   (epl.checkpoint.sharded_variable).
 - `epl.hooks.record`: each graph's `GraphRecord` (what construction and gradient
@@ -21,7 +24,10 @@ def install() -> None:
     package's import, so that the scopes (epl/strategies.py) can use
     epl.hooks.record without importing the hooks that use the scopes' layer."""
     from epl.checkpoint import sharded_variable
-    from epl.hooks import optimizer, session
+    from epl.hooks import eager_scopes, function, keras, optimizer, session
     optimizer.install()
     session.install()
     sharded_variable.install_saver_support()
+    function.install()
+    keras.install()
+    eager_scopes.on_eager_enter(keras.install)

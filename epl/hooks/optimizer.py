@@ -299,5 +299,6 @@ def install() -> None:
     for module in (tf, tf.compat.v1):
         original = module.gradients
         _ORIGINAL[f"gradients:{module.__name__}"] = original
-        module.gradients = functools.wraps(original)(
-            functools.partial(_user_gradients, original))
+        # never converted by autograph when a tf.function calls it
+        module.gradients = tf.autograph.experimental.do_not_convert(functools.wraps(original)(
+            functools.partial(_user_gradients, original)))

@@ -14,8 +14,11 @@ Rules, in the order they are applied:
   the two (clipping, scaling) are "apply" too. Batch inputs and everything they
   are computed from (the input pipeline) are "other". The remaining ancestors of
   the losses, and every op computed from a batch input (metrics), are
-  "forward". Everything else (initializers, savers, summaries of weights) is
-  "other".
+  "forward", and so are the writes GraphRecord.forward_writes lists (state a traced
+  step advances in its forward pass, such as Keras 3's dropout seeds, recorded by
+  epl/hooks/function.py) and what every forward write (a moving average) computes
+  its value from: the read of the old value is each replica's. Everything else
+  (initializers, savers, summaries of weights) is "other".
 - Batch inputs: outputs of tf.data iterators, placeholders of known rank >= 1,
   and constants of rank >= 1 whose first dimension is the global batch size and
   which feed an op as data (not as a shape, axis or index argument, as read
@@ -31,6 +34,9 @@ Rules, in the order they are applied:
   replicated TaskGraph, except a variable whose training-step updates all belong
   to one other TaskGraph (a custom optimizer's slots, created outside every scope
   in its apply_gradients): it and the ops that take its handle belong to that one.
+- Variables: those the replicated ops read are mirrored per replica (`variables`),
+  except the shared accumulators of the consistency analysis (the variables of
+  tf.GraphKeys.METRIC_VARIABLES), which stay one variable every replica adds into.
 - Split TaskGraphs (epl.split, rewritten at gradient time by
   epl/passes/split/split.py): their forward ops ("split ops") run once over the
   global batch, on their own devices, and are not copied per replica; the
@@ -398,8 +404,20 @@ def _updated_variable_hints(ops, phase_of, resolved, defaulted: set, first: Task
             if len(groups) == 1 and next(iter(groups.values())) is not first}
 
 
+def _forward_writes(writes, batch_region, tags) -> set:
+    """The writes of state the forward pass advances (a moving average, a traced step's
+    GraphRecord.forward_writes) and what they compute their values from (the read of
+    the old value), less variables and the input pipeline: each unit reads and writes
+    its own replica's copy."""
+    if not writes:
+        return set()
+    return {op for op in ancestors(writes, include_control=False) if op not in batch_region
+            and tags[op].type not in VARIABLE_OP_TYPES
+            and tags[op].phase not in (Phase.BACKWARD.value, Phase.APPLY.value)}
+
+
 def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region, batch_inputs,
-                     steps):
+                     steps, writes=()):
     phase_of: dict[tf.Operation, Phase] = {}
     tagged_phases = {Phase.BACKWARD.value: Phase.BACKWARD, Phase.APPLY.value: Phase.APPLY}
     recorded = {op for step in steps if step.from_gradients for op in step.backward_ops}
@@ -413,6 +431,9 @@ def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_regio
             phase_of[op] = tagged_phases[op_tags.phase]
     processing = descendants([g for g, _ in gradients], within=step_ops)
     forward = loss_ancestors | descendants(batch_inputs)
+    forward_writes = [op for op in forward if variable_written(op) is not None
+                      and tags[op].phase not in (Phase.BACKWARD.value, Phase.APPLY.value)]
+    forward |= _forward_writes(list(writes) + forward_writes, batch_region, tags)
     for op in ops:
         # built by autodiff but computed before the loss: the accumulators v2 control
         # flow's gradient adds as inputs of the forward While (its intermediates)
@@ -632,7 +653,7 @@ def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None
             "batch. Feed the examples through one of these.")
     batch_region = ancestors([t.op for t in batch_inputs])
     phase_of = _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_region,
-                                batch_inputs, steps)
+                                batch_inputs, steps, record.forward_writes)
     taskgraph_of = _resolve_taskgraphs(ops, taskgraphs, phase_of, tags)
     variable_ops = [op for op in ops if tags[op].type in VARIABLE_OP_TYPES]
     step_region = [op for op in ops

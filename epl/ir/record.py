@@ -45,6 +45,14 @@ class GraphRecord:
     config: Any = None
     result: Any = None
     shard_gradients: dict = dataclasses.field(default_factory=dict)
+    # the config to rewrite the graph under, when its maker gives one (a traced
+    # tf.function's lowered graph: the active config with the step's batch contract,
+    # epl/hooks/function.py); None: the active config (epl.parallel.config_of)
+    rewrite_config: Any = None
+    # writes of variables the forward pass reads that a traced step runs outside its
+    # update (Keras 3's dropout-seed state, epl/hooks/function.py): forward ops, copied
+    # per replica and micro-batch like the reads they advance (epl.ir.graph_view)
+    forward_writes: list = dataclasses.field(default_factory=list)
 
     @property
     def parallelized(self) -> bool:

@@ -23,6 +23,7 @@ import dataclasses
 import tensorflow as tf
 
 from epl.ir import graph_mutation
+from epl.ir.annotations import PHASE_ATTR, Phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,17 @@ def tensors_of(gradient) -> list[tf.Tensor]:
 
 def readers(gradient) -> list[list[tf.Operation]]:
     """Per tensor of `gradient` (tensors_of), the ops that read it now: what a stage
-    inserted after it rewires (taken before the stage builds its own readers)."""
-    return [list(t.consumers()) for t in tensors_of(gradient)]
+    inserted after it rewires (taken before the stage builds its own readers). The
+    backward ops that read it are not among them: a tensor that is one variable's
+    gradient can also be an intermediate of the backward (BatchNormalization's beta
+    gradient feeds the gradients of the layers below it), and those ops must keep
+    reading the unit's own value."""
+    return [[c for c in t.consumers() if not _is_backward(c)] for t in tensors_of(gradient)]
+
+
+def _is_backward(op: tf.Operation) -> bool:
+    attr = op.node_def.attr.get(PHASE_ATTR)
+    return attr is not None and attr.s.decode() == Phase.BACKWARD.value
 
 
 def rewire(gradient, replacement, taken: list[list[tf.Operation]]) -> None:

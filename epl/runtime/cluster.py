@@ -192,6 +192,27 @@ def use_logical_gpus(count: int, memory_limit_mb: int) -> None:
                   for _ in range(count)])
 
 
+def use_virtual_cpus(count: int) -> bool:
+    """Give the eager context `count` virtual CPU devices (eager TensorFlow 2 programs:
+    tf.function steps run on the context's devices, as a graph's session runs on the
+    ConfigProto's). Only possible before TensorFlow initializes its devices; returns
+    False when they are already initialized with fewer (the first step then refuses,
+    epl/hooks/function.py), True when they are (or already were) enough. GPU machines
+    keep their GPUs."""
+    if count <= 1 or physical_gpu_count():
+        return True
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu) or []
+    if len(current) >= count:
+        return True
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+    except RuntimeError:   # the devices were initialized before
+        return len(tf.config.list_logical_devices("CPU")) >= count
+    return True
+
+
 def _horovod_rank_size() -> tuple[int, int]:
     """Rank and size when launched by horovodrun (or epl-launch), else (0, 1)."""
     if not _under_horovod():

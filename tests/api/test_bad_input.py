@@ -109,11 +109,22 @@ def test_unknown_config_key_and_value():
 
 
 def test_eager_mode():
+    """An eager scope needs epl.init first (it creates the devices before TensorFlow's
+    first op), and one around code that builds nothing EPL parallelizes says what works."""
     assert tf.executing_eagerly()
+    with pytest.raises(epl.ScopeError) as err:
+        with epl.replicate(1, name="body"):
+            pass
+    assert str(err.value) == (
+        "epl.replicate(device_count=1, name='body') was used in eager mode before epl.init(): "
+        "call epl.init() first (it creates the devices EPL trains on, before TensorFlow runs "
+        "its first op), then build the model.")
+    epl.init()
     with pytest.raises(epl.ScopeError) as err:
         with epl.replicate(1):
             pass
-    assert "was used in eager mode" in str(err.value)
+    assert "was used in eager mode around code that built nothing EPL can parallelize" \
+        in str(err.value)
     assert "tf.compat.v1.disable_eager_execution()" in str(err.value)
 
 

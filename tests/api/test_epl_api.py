@@ -243,9 +243,10 @@ def test_dict_wins_over_environment_in_init(monkeypatch):
     assert epl.Env.get().cluster.gpu_num_per_worker == 3
 
 
-def test_init_under_eager_execution_is_accepted_and_scopes_refuse_it():
+def test_init_under_eager_execution_is_accepted_and_empty_eager_scopes_are_refused():
     """A deliberate difference (README, "Differences from EPL"): EPL's init raised in eager
-    mode; here the first scope does, since a graph built later is fine."""
+    mode; here eager programs are parallelized (tf.function steps, Keras fit), and an
+    eager scope around nothing EPL can parallelize is refused."""
     assert tf.executing_eagerly()
     config = epl.init()
     assert epl.Env.get().config is config
@@ -253,9 +254,13 @@ def test_init_under_eager_execution_is_accepted_and_scopes_refuse_it():
         with epl.replicate(1, name="body"):
             pass
     assert str(err.value) == (
-        "epl.replicate(device_count=1, name='body') was used in eager mode. EPL rewrites TensorFlow graphs: call "
-        "tf.compat.v1.disable_eager_execution() at the start of the script, or build the model "
-        "inside `with tf.Graph().as_default():`.")
+        "epl.replicate(device_count=1, name='body') was used in eager mode around code that "
+        "built nothing EPL can parallelize (no Keras layer was constructed inside it and no "
+        "tf.function was traced). In eager TensorFlow 2, EPL parallelizes tf.function training "
+        "steps: open the scope inside the tf.function (around the ops it annotates), or around "
+        "the construction of the Keras layers the function calls (each layer re-enters its "
+        "scope when it is called in the trace); or build a graph-mode program "
+        "(tf.compat.v1.disable_eager_execution()).")
 
 
 def _annotated_graph():

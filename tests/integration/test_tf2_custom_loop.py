@@ -1,0 +1,48 @@
+"""tf.function training steps under EPL (eager TensorFlow 2): the oracle.
+
+A custom training loop as the Keras examples write one: a `tf.function` step with
+GradientTape and the optimizer's apply, on the models of tests/workers/tf2_models.py.
+"tensors": the step takes the global batch as arguments (EPL cuts it into
+replicas x micro-batches); "iterator": the step draws from a tf.data iterator
+(each unit draws its own batch of the script's size, R x M per call). ZeRO runs
+with tf.compat.v1.train.AdamOptimizer (one update op per variable). After 3
+calls every variable and the running loss equal single-device training on the
+units' batches (tests/tf2_oracle.py). All cases run in one Keras 3 process.
+"""
+from __future__ import annotations
+
+import pytest
+
+import tf2_oracle
+
+CASES = ["convnet:tensors:ga", "convnet:tensors:zero", "custom:iterator:dp",
+         "custom:iterator:gpipe", "custom:iterator:zero", "transformer:iterator:gc",
+         "custom:tensors:amp"]
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    """The worker's record of every case (one process)."""
+    return tf2_oracle.run_cases(CASES, str(tmp_path_factory.mktemp("tf2_loop") / "loop.npz"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_custom_loop_matches_single_device_training_on_the_units_batches(record, case):
+    tf2_oracle.assert_matches(record, case, amp=case.endswith(":amp"))
+
+
+def test_zero_shards_the_optimizer_state(record):
+    """ZeRO's shards of the slots are EPL's own eager variables."""
+    state = [str(name) for name in record["custom:iterator:zero/state"]]
+    assert any("shard_1" in name for name in state), state
+
+
+def test_tf_module_with_hand_written_updates_and_a_retrace():
+    """A tf.Module of tf.Variables updated by hand (v.assign_sub(lr * g)), called with a
+    batch of 16 rows, then 8 (a retrace, rewritten too), then from an iterator: equals
+    single-device training on the same rows (tests/workers/tf2_module_worker.py)."""
+    output = tf2_oracle.run_worker("tf2_module_worker.py", [])
+    lines = output.splitlines()
+    diff = next(line for line in lines if line.startswith("DIFF module "))
+    assert float(diff.split()[-1]) < 1e-6, output[-3000:]
+    assert "TRACES 3" in lines   # the two signatures of the first step, and the second

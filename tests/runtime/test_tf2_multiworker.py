@@ -1,0 +1,23 @@
+"""Eager TensorFlow 2 on 2 Horovod workers x 2 virtual devices (horovodrun, Gloo).
+
+tests/workers/tf2_multiworker_worker.py: Keras 3 fit and a tf.function step drawing
+from an iterator, each worker on its half of every global batch; after 3 steps
+every worker's variables equal single-device training on the whole global
+batches. Fails, not skips, without Horovod.
+"""
+import json
+
+import pytest
+
+from multiworker import errors, horovodrun, require_horovod
+
+pytestmark = pytest.mark.multiworker
+require_horovod()
+
+
+def test_two_workers_fit_and_custom_loop_match_single_device(tmp_path):
+    result = horovodrun("tf2_multiworker_worker.py", str(tmp_path), timeout=400)
+    assert result.returncode == 0, errors(result.stdout + result.stderr)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["fit"] < 1e-5 and record["iterator"] < 1e-5, record

@@ -1,0 +1,86 @@
+"""What EPL refuses in eager TensorFlow 2 programs, in a Keras 3 process.
+
+    python tests/workers/tf2_refusals_worker.py [--late-init]
+
+Prints one `REFUSED <case>: <type>: <message>` line per case (a case that runs
+instead prints `RAN <case>`): ZeRO with a Keras 3 optimizer (Keras fit), and
+epl.split in a tf.function step; with --late-init, a step traced when TensorFlow
+ran an op before epl.init could create its devices.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TF_USE_LEGACY_KERAS", None)   # Keras 3
+
+from epl.runtime.cluster import use_virtual_cpus   # noqa: E402
+
+LATE = "--late-init" in sys.argv
+if not LATE:
+    use_virtual_cpus(2)
+
+import numpy as np   # noqa: E402
+import tensorflow as tf   # noqa: E402
+import keras   # noqa: E402
+
+import epl   # noqa: E402
+from epl import env   # noqa: E402
+
+
+def case(name: str, fn) -> None:
+    try:
+        fn()
+    except epl.EPLError as err:
+        print(f"REFUSED {name}: {type(err).__name__}: {err}", flush=True)
+    else:
+        print(f"RAN {name}", flush=True)
+    env.reset()
+
+
+def zero_with_keras_optimizer() -> None:
+    epl.init(epl.Config({"cluster.virtual_devices": 2, "zero.level": "v1"}))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(np.zeros((8, 4), np.float32), np.zeros(8, np.int64), batch_size=8, verbose=0)
+
+
+def split_in_a_step() -> None:
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with epl.split(2, name="classifier"):
+        head = keras.layers.Dense(6)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), head])
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+    step(tf.zeros((8, 4)), tf.zeros(8, tf.int64))
+
+
+def late_init() -> None:
+    tf.constant(1.0)   # TensorFlow initializes its devices: one CPU
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    w = tf.Variable(tf.ones([4, 2]))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(x, w))
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+    step(tf.ones([4, 4]))
+
+
+if __name__ == "__main__":
+    if LATE:
+        case("late_init", late_init)
+    else:
+        case("zero_with_keras_optimizer", zero_with_keras_optimizer)
+        case("split_in_a_step", split_in_a_step)
