@@ -56,7 +56,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from epl.hooks import eager_scopes
 from epl.env import get_config, is_initialized
-from epl.errors import ClusterError, ParallelizeError
+from epl.errors import ClusterError, EPLError, ParallelizeError
 from epl.hooks import keras as keras_hooks
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
@@ -227,7 +227,10 @@ def rewrite(func_graph, state) -> None:
         _unbake_reshape_batch(graph, record)
     record.rewrite_config = config.updated({"io.batch_mode": mode})
     record.rewrite_config.freeze()
-    result = parallelize(graph, record)
+    try:
+        result = parallelize(graph, record)
+    except EPLError as err:
+        raise _in_user_terms(err, lowered, func_graph.variables) from None
     order_forward_state(result.view, result.replication.forward_copies,
                         result.replication.num_micro_batches)
     eager_state.relocate_collective_keys(graph)
@@ -235,6 +238,28 @@ def rewrite(func_graph, state) -> None:
     _build(func_graph, lowered, result, step_state)
     step_state.graph = graph   # its library functions stay registered (raise_into)
     func_graph._epl_step_state = step_state   # lives as long as the function
+
+
+EAGER_REMEDY = (
+    "In a tf.function step, a variable every replica should add its part into (a count or "
+    "total over the global batch) is created with "
+    "tf.Variable(..., aggregation=tf.VariableAggregation.SUM), as Keras 3 metrics create "
+    "theirs.")
+
+
+def _in_user_terms(err: EPLError, lowered: Lowered, variables) -> EPLError:
+    """`err` of the lowered graph's rewrite with the user's variable names for the
+    lowered graph's variable ops, and, for a write EPL cannot keep consistent, the
+    remedy of an eager program; an error of the same type."""
+    message = str(err)
+    by_handle = {id(v.handle): v for v in variables}
+    for name in sorted(lowered.variables, key=len, reverse=True):
+        user = by_handle.get(id(lowered.variables[name].handle))
+        if user is not None:
+            message = message.replace(f"variable {name} ", f"variable {user.name.split(':')[0]} ")
+    if "would hold a different value on each replica" in message:
+        message = f"{message} {EAGER_REMEDY}"
+    return type(err)(message)
 
 
 def _refuse_unsupported(state, config) -> None:
@@ -335,12 +360,16 @@ def _join_forward_state(lowered: Lowered, record: GraphRecord, variables) -> Non
       (`tf.VariableAggregation.SUM`: a Keras 3 metric's total and count) makes the
       variable a shared accumulator (tf.GraphKeys.METRIC_VARIABLES): every unit adds
       its part into the one variable;
-    - a write whose value is computed from the batch (BatchNormalization's moving
-      averages) is a moving statistic (tf.GraphKeys.UPDATE_OPS), kept equal on every
-      replica by `batch_norm.moving_statistics`;
-    - other writes (Keras 3's dropout-seed state) read no batch, so every replica
-      computes the same values: each unit runs its copy, micro-batch after
-      micro-batch (epl.passes.replication.forward_state).
+    - a write that sets (does not add to) its variable from a value computed from the
+      batch but not from a loss (BatchNormalization's moving averages) is a moving
+      statistic (tf.GraphKeys.UPDATE_OPS), kept equal on every replica by
+      `batch_norm.moving_statistics`;
+    - writes that read no batch (Keras 3's dropout-seed state) are the same on every
+      replica: each unit runs its copy, micro-batch after micro-batch
+      (epl.passes.replication.forward_state);
+    - any other (an add of batch values to a variable not declared summed, a write
+      computed from the loss) is the analysis's to decide, as in a graph-mode script:
+      a value from the loss reads the merged loss, the rest is refused.
     variables: the tf.Variables the trace accessed (FuncGraph.variables)."""
     graph = lowered.graph
     steps = [s for s in record.train_steps if s.train_op is not None]
@@ -348,6 +377,7 @@ def _join_forward_state(lowered: Lowered, record: GraphRecord, variables) -> Non
         return
     inputs, _ = find_batch_inputs(ancestors(_losses(record)))
     from_batch = descendants(inputs)
+    from_loss = descendants([t for op in _losses(record) for t in op.outputs])
     by_handle = {id(v.handle): v for v in variables}
     for op in record.forward_writes:
         variable = op.inputs[0].op
@@ -358,7 +388,7 @@ def _join_forward_state(lowered: Lowered, record: GraphRecord, variables) -> Non
                     tf.compat.v1.GraphKeys.METRIC_VARIABLES):
                 graph.add_to_collection(tf.compat.v1.GraphKeys.METRIC_VARIABLES,
                                         variable.outputs[0])
-        elif op in from_batch:
+        elif op.type == "AssignVariableOp" and op in from_batch and op not in from_loss:
             graph.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, op)
     graph_mutation.add_control_inputs(steps[0].train_op, list(record.forward_writes))
 

@@ -38,11 +38,25 @@ def test_zero_shards_the_optimizer_state(record):
 
 
 def test_tf_module_with_hand_written_updates_and_a_retrace():
-    """A tf.Module of tf.Variables updated by hand (v.assign_sub(lr * g)), called with a
-    batch of 16 rows, then 8 (a retrace, rewritten too), then from an iterator: equals
-    single-device training on the same rows (tests/workers/tf2_module_worker.py)."""
+    """A tf.Module of tf.Variables updated by hand (v.assign_sub(lr * g)) with a running
+    sum of the loss in a variable, called with a batch of 16 rows, then 8 (a retrace,
+    rewritten too), then from an iterator: equals single-device training on the same
+    rows (tests/workers/tf2_module_worker.py). A step that adds up its batch's values in
+    a plain variable is refused naming it, with the eager remedy, and the remedy (the
+    variable declared summed over replicas) runs and holds the global batch's sum."""
     output = tf2_oracle.run_worker("tf2_module_worker.py", [])
     lines = output.splitlines()
     diff = next(line for line in lines if line.startswith("DIFF module "))
     assert float(diff.split()[-1]) < 1e-6, output[-3000:]
     assert "TRACES 3" in lines   # the two signatures of the first step, and the second
+    refused = next(line for line in lines if line.startswith("REFUSED rows_seen: "))
+    assert refused.startswith(
+        "REFUSED rows_seen: PassError: pass 'consistency' rejected the graph before any "
+        "rewrite: variable Variable would hold a different value on each replica: "), refused
+    assert refused.endswith(
+        "In a tf.function step, a variable every replica should add its part into (a count "
+        "or total over the global batch) is created with tf.Variable(..., "
+        "aggregation=tf.VariableAggregation.SUM), as Keras 3 metrics create theirs."), refused
+    _, _, value, bound = next(line for line in lines if line.startswith("DIFF rows_seen "
+                                                                         )).split()
+    assert float(value) <= float(bound), output[-3000:]
