@@ -48,6 +48,7 @@ Rules, in the order they are applied:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -579,8 +580,21 @@ def training_steps(record: GraphRecord):
             + (f"; the gradients recorded ({', '.join(s.loss.name for s in seen[:3])}) "
                "update no variable" if seen else "; no gradients were built")
             + ". Build the training step before creating the session or calling "
-            "epl.parallelize(); an inference-only graph needs no EPL scopes.")
+            "epl.parallelize(); an inference-only graph needs no EPL scopes."
+            + (LEGACY_KERAS_FIT if not seen and "tf_keras" in sys.modules else ""))
     return steps
+
+
+# tf-keras (legacy Keras) in graph mode opens its session (backend.get_session()) when it
+# builds and initializes the model, before fit builds its training function, and runs
+# that function through session callables: EPL does not parallelize it.
+LEGACY_KERAS_FIT = (
+    " If this is a tf-keras (legacy Keras) model in graph mode: EPL does not parallelize "
+    "graph-mode tf-keras compile/fit (Keras opens its session before fit builds the "
+    "training step). Run the same model under Keras 3 in eager TensorFlow 2 (no "
+    "tf.compat.v1.disable_eager_execution(), no TF_USE_LEGACY_KERAS; README, \"TensorFlow 2 "
+    "programs\"), or train it in a session loop on "
+    "optimizer.minimize(loss) of the model's output.")
 
 
 def has_training_step(record: GraphRecord) -> bool:

@@ -253,3 +253,30 @@ def test_tf_gradients_on_a_split_model_matches_single_device(gradients_fn):
     np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
     for name, value in reference[1].items():
         np.testing.assert_allclose(result[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_legacy_keras_fit_in_graph_mode_is_refused_with_what_to_use():
+    """tf-keras compile/fit in graph mode (the model built under an EPL scope, as the
+    issue's user did) opens its session before fit builds the training step: EPL says
+    it does not parallelize it and what to use instead, before anything trains."""
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    keras = tf.keras   # tf-keras under TF_USE_LEGACY_KERAS=1 (the suite's setting)
+    with tf.Graph().as_default():
+        with epl.replicate(1):
+            model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)),
+                                      keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.legacy.Adam(0.01), loss="mse")
+        with pytest.raises(epl.ParallelizeError) as err:
+            model.fit(np.ones((64, 4), np.float32), np.ones((64, 1), np.float32),
+                      batch_size=32, verbose=0)
+    env.reset()
+    assert str(err.value).endswith(
+        "no gradients were built. Build the training step before creating the session or "
+        "calling epl.parallelize(); an inference-only graph needs no EPL scopes. If this is a "
+        "tf-keras (legacy Keras) model in graph mode: EPL does not parallelize graph-mode "
+        "tf-keras compile/fit (Keras opens its session before fit builds the training step). "
+        "Run the same model under Keras 3 in eager TensorFlow 2 (no "
+        "tf.compat.v1.disable_eager_execution(), no TF_USE_LEGACY_KERAS; README, \"TensorFlow "
+        "2 programs\"), or train it in a session loop on optimizer.minimize(loss) of the "
+        "model's output.")
