@@ -585,9 +585,12 @@ def training_steps(record: GraphRecord):
     return steps
 
 
-# tf-keras (legacy Keras) in graph mode opens its session (backend.get_session()) when it
-# builds and initializes the model, before fit builds its training function, and runs
-# that function through session callables: EPL does not parallelize it.
+# tf-keras (legacy Keras) in graph mode opens its session (backend.get_session()) and runs
+# the variables' initializers in it when it builds the model, before fit builds its
+# training function. Rewriting the graph after that run is unsound: a session that has
+# run sends every op that existed then to TensorFlow's runtime once, and later changes
+# to those ops (devices, inputs, attributes: what the passes do) have no effect there
+# (TensorFlow warns "This mutation will have no effect"). So EPL refuses it.
 LEGACY_KERAS_FIT = (
     " If this is a tf-keras (legacy Keras) model in graph mode: EPL does not parallelize "
     "graph-mode tf-keras compile/fit (Keras opens its session before fit builds the "
