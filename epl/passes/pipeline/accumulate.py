@@ -115,16 +115,20 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None
             accumulated.append(None)
             continue
         source = first.values.op if isinstance(first, tf.IndexedSlices) else first.op
-        graph = source.graph
+        graph, device = source.graph, source.device
+        source_attrs = source.node_def.attr   # read once: node_def serializes the op
+        old = {id(t) for p in parts for t in _tensors(p)} | {
+            id(x) for x in scales if isinstance(x, tf.Tensor)}
+        inherited = [(name, source_attrs[name]) for name in (TASKGRAPH_ATTR, PHASE_ATTR)
+                     if name in source_attrs]
 
         def tagged(m, build):
-            start = len(graph.get_operations())
-            with tf.device(source.device), tf.name_scope("EPL_ACCUMULATE"):
+            with tf.device(device), tf.name_scope("EPL_ACCUMULATE"):
                 result = build()
-            for new in graph.get_operations()[start:]:
-                for name in (TASKGRAPH_ATTR, PHASE_ATTR):
-                    if name in source.node_def.attr:
-                        graph_mutation.set_attr(new, name, source.node_def.attr[name])
+            for new in _built(result, old):
+                old.add(id(new))   # the next build reads the running total: no new op
+                for name, value in inherited:
+                    graph_mutation.set_attr(new, name, value)
                 graph_mutation.set_attr(new, REPLICA_ATTR, tf.compat.v1.AttrValue(i=replica))
                 graph_mutation.set_attr(new, MICRO_BATCH_ATTR, tf.compat.v1.AttrValue(i=m))
                 ops_of[m].append(new)
@@ -147,3 +151,26 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None
                                t + p * tf.cast(x, first.dtype))
         accumulated.append(total)
     return accumulated, ops_of
+
+
+def _tensors(value) -> list:
+    """The tensors of a gradient (a sparse one's values, indices and dense shape)."""
+    if isinstance(value, tf.IndexedSlices):
+        return [t for t in (value.values, value.indices, value.dense_shape) if t is not None]
+    return [value] if value is not None else []
+
+
+def _built(result, old: set) -> list[tf.Operation]:
+    """The ops that computed `result` from the tensors (and ops) whose ids are in `old`
+    (what one `tagged` build created: the walk stops at its inputs and at the ops of
+    earlier builds), in creation order. Found from
+    the result, not by listing the graph's ops before and after, which copies the whole
+    graph's op list for every gradient and micro-batch (quadratic in the graph)."""
+    seen, stack = {}, [t for t in _tensors(result) if id(t) not in old]
+    while stack:
+        op = stack.pop().op
+        if op._id in seen or id(op) in old:
+            continue
+        seen[op._id] = op
+        stack.extend(t for t in op.inputs if id(t) not in old)
+    return [seen[i] for i in sorted(seen)]
