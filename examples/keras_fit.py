@@ -25,6 +25,22 @@ import time
 
 os.environ.pop("TF_USE_LEGACY_KERAS", None)   # Keras 3 (make run exports it for tf-keras)
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (parsed before TensorFlow is imported: --help answers at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="steps in all (over the epochs)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="the global batch of each step (fit's batch_size)")
+    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()   # --help and bad options answer here, before TensorFlow is imported
+
 import numpy as np   # noqa: E402
 import tensorflow as tf   # noqa: E402
 
@@ -75,15 +91,8 @@ def build_layers(keras, layers):
     return keras.Model(inputs, head(drop(pool(x))), name="text_classifier")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="steps in all (over the epochs)")
-    parser.add_argument("--batch", type=int, default=64,
-                        help="the global batch of each step (fit's batch_size)")
-    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     epl.init(epl.Config({"debug.log_level": "INFO", "cluster.virtual_devices": args.devices,
                          "pipeline.num_micro_batch": args.micro_batches}))

@@ -28,6 +28,22 @@ import time
 
 os.environ.pop("TF_USE_LEGACY_KERAS", None)   # Keras 3 (make run exports it for tf-keras)
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (parsed before TensorFlow is imported: --help answers at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32, help="one micro-batch of one pipeline")
+    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--ckpt", help="checkpoint directory (default: a temporary one)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()   # --help and bad options answer here, before TensorFlow is imported
+
 import numpy as np   # noqa: E402
 import tensorflow as tf   # noqa: E402
 
@@ -68,15 +84,8 @@ class _nothing:
         return False
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=32, help="one micro-batch of one pipeline")
-    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
-    parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--ckpt", help="checkpoint directory (default: a temporary one)")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     epl.init(epl.Config({"debug.log_level": "INFO", "cluster.virtual_devices": args.devices,
                          "pipeline.num_micro_batch": args.micro_batches}))
