@@ -21,12 +21,14 @@ endif
 OTHER_TF_cpu := tensorflow
 OTHER_TF_gpu := tensorflow-cpu
 STAMP := $(VENV)/.epl-installed-$(DEVICE)
+# EPL's distribution was named `epl` before it became `epl-tf` (pyproject.toml;
+# `epl` on PyPI is an unrelated project): setup drops an install of the old name.
 
 .PHONY: setup run test bench clean gpu-check
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-$(DEVICE).txt requirements-nodeps.txt setup.py \
+$(STAMP): requirements.txt requirements-$(DEVICE).txt requirements-nodeps.txt pyproject.toml \
 		scripts/build_horovod.sh scripts/patch_horovod_tf.py scripts/patch_horovod_runner.py \
 		scripts/select_device.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -36,6 +38,7 @@ $(STAMP): requirements.txt requirements-$(DEVICE).txt requirements-nodeps.txt se
 	$(VPY) -m pip install -q -r requirements.txt -r requirements-$(DEVICE).txt
 	$(VPY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	EPL_DEVICE=$(DEVICE) bash scripts/build_horovod.sh $(VPY)
+	if $(VPY) -m pip show -q epl >/dev/null 2>&1; then $(VPY) -m pip uninstall -q -y epl; fi
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.epl-installed*
 	touch $(STAMP)

@@ -200,10 +200,19 @@ def format_report(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `epl-env`."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="What EPL runs on, in one report (as `horovodrun "
+        "--check-build` and DeepSpeed's `ds_report`). `epl-launch --check-build` "
+        "prints the same.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `epl-env`; returns 0."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:

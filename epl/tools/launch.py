@@ -163,7 +163,8 @@ _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
 CHECK_BUILD = ("--check-build", "-cb")   # `epl-launch --check-build [--json]`: epl-env
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of epl-launch's own options (horovodrun's pass through)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Run a command on N EPL workers through horovodrun --gloo. "
         "Options not listed here are horovodrun's and are passed on to it.",
@@ -364,7 +365,7 @@ def parse_command_line(argv: Sequence[str], horovod: Mapping[str, int] | None = 
                        ) -> argparse.Namespace:
     """epl-launch's options, ``horovod_args`` and ``command`` from a command line."""
     own, passed, command = split_argv(argv, horovod)
-    args = _parser().parse_args(own)
+    args = build_parser().parse_args(own)
     args.horovod_args, args.command = passed, command
     return args
 

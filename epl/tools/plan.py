@@ -303,8 +303,8 @@ class PlanInputError(EPLError):
 # The command line.
 # --------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-    """The argument parser."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `epl-plan`."""
     parser = argparse.ArgumentParser(
         prog="epl-plan",
         description="Dry-run planner: per-device work, memory and predicted "
@@ -593,7 +593,7 @@ def run(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code (0, or 2 on bad input)."""
-    parser = _parser()
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
