@@ -432,7 +432,11 @@ def _classify_phases(ops, tags, step_ops, loss_ancestors, gradients, batch_regio
             phase_of[op] = tagged_phases[op_tags.phase]
     processing = descendants([g for g, _ in gradients], within=step_ops)
     forward = loss_ancestors | descendants(batch_inputs)
+    # writes the forward pass makes (a moving average): not an update, which is computed
+    # from the gradients (an optimizer's own assign ops, untagged when its apply_gradients
+    # is the script's)
     forward_writes = [op for op in forward if variable_written(op) is not None
+                      and op not in processing
                       and tags[op].phase not in (Phase.BACKWARD.value, Phase.APPLY.value)]
     forward |= _forward_writes(list(writes) + forward_writes, batch_region, tags)
     for op in ops:
