@@ -227,9 +227,14 @@ def run_one(spec: dict, timeout: float) -> dict:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)   # the child's own process group
+        killed_at = time.time()
         out, err = proc.communicate()
         status = "timeout"
-    killed_at = time.time()
+    except BaseException:   # Ctrl-C: the child is in its own session, end it too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    else:
+        killed_at = time.time()
     lines = [json.loads(line[len(TAG):]) for line in out.splitlines() if line.startswith(TAG)]
     done = any(r.get("done") for r in lines)
     if status == "timeout" and done:   # every figure measured; killed while exiting
@@ -308,10 +313,12 @@ def main(argv=None) -> dict:
             configs.append((f"L={layers} DP={args.dp_replicas}",
                             dict(base, kind="dp", layers=layers, micro=1,
                                  replicas=args.dp_replicas)))
+    dp = (f"{args.dp_replicas} replicas x {args.batch} rows" if args.dp_replicas
+          else "not run")
     print(f"startup: BERT-style encoder (examples/bert_pipeline.py), hidden {args.hidden}, "
           f"heads 4, vocab 64, seq 16, Adam; pipeline: {STAGES} stages on {STAGES} virtual CPU "
-          f"devices, micro-batch {args.batch}; data parallelism: {args.dp_replicas} replicas x "
-          f"{args.batch} rows{'' if args.dp_replicas else ' (not run)'}; plain TensorFlow: one device, the same global batch; medians of "
+          f"devices, micro-batch {args.batch}; data parallelism: {dp}; plain TensorFlow: one "
+          f"device, the same global batch; medians of "
           f"{args.repeats} run(s), each (configuration, side) in a fresh process, timeout "
           f"{args.timeout:.0f} s per process", flush=True)
 
