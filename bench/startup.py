@@ -39,9 +39,9 @@ child process:
   creation and initialization in the same way.
 - steady s: the median of `--steps` training steps after the first.
 - peak RSS MB: the process's peak resident set (VmHWM of /proc/self/status,
-  ru_maxrss where that is missing) at the end of the run (or at the last
-  phase it finished, when it timed out): includes Python, TensorFlow and the
-  graph.
+  ru_maxrss where that is missing) at the end of the run (when it timed out:
+  the child's VmHWM read just before it was killed, a lower bound): includes
+  Python, TensorFlow and the graph.
 
 A child process that runs past `--timeout` seconds is killed; the figures it
 had not reached are printed as "> T" with T the time the phase had run when it
@@ -111,14 +111,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- the child: one configuration, one side ---------------------------------------------
 
-def _peak_rss_mb() -> float:
+def _peak_rss_mb(pid: str = "self") -> float | None:
+    """VmHWM of process `pid` in MiB (this process: ru_maxrss where /proc is missing)."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
+    if pid != "self":
+        return None
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # KiB on Linux
 
@@ -226,6 +229,7 @@ def run_one(spec: dict, timeout: float) -> dict:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        peak_at_kill = _peak_rss_mb(str(proc.pid))   # its peak so far, read before the kill
         os.killpg(proc.pid, signal.SIGKILL)   # the child's own process group
         killed_at = time.time()
         out, err = proc.communicate()
@@ -253,8 +257,10 @@ def run_one(spec: dict, timeout: float) -> dict:
         for key, phase in PHASE_OF.items():
             if key not in figures and phase in starts:
                 figures[key] = (killed_at - starts[phase], False)
-        if "peak_rss_mb" in figures:   # the peak it had reached at its last report
-            figures["peak_rss_mb"] = (figures["peak_rss_mb"][0], False)
+        last_report = figures.get("peak_rss_mb", (None,))[0]
+        peak = max((p for p in (peak_at_kill, last_report) if p is not None), default=None)
+        if peak is not None:   # the peak it had reached when it was killed: a lower bound
+            figures["peak_rss_mb"] = (peak, False)
     figures["wall_s"] = (killed_at - began, status == "ok")
     return {"status": status, "figures": figures}
 
