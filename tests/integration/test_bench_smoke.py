@@ -104,3 +104,25 @@ def test_calibration_bench_prints_ratio_and_target(capsys):
                      r"batch 256\]: \d+\.\d{3} \(predicted .* ms, measured .* ms; "
                      r"target 0\.7-1\.3\)$", out, re.M)
     assert re.search(r"^\d of 1 examples within the target 0\.7-1\.3$", out, re.M)
+
+
+def test_startup_quick_prints_ratio_lines():
+    """bench/startup.py --quick runs its fresh processes (EPL and plain TensorFlow) and prints
+    the table and the three ratio lines with their targets; the values are not checked."""
+    import subprocess
+    environ = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "startup.py"), "--quick"],
+                          env=environ, capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    value = r"(?:>?\d+\.\d\d|timeout|skipped|n/a)"
+    configs = [r"\(L=2 M=2\)", r"\(L=2 M=4\)", r"\(L=2 DP=2\)"]
+    per_config = " ".join(f"{value} {c}" for c in configs)
+    assert re.search(rf"^startup: rewrite\(M=4\)/rewrite\(M=2\) = {value} \(L=2\); "
+                     r"target <= 1\.5$", out, re.M), out
+    assert re.search(rf"^startup: ops out/in = {per_config}; target <= 3$", out, re.M), out
+    assert re.search(rf"^startup: \(rewrite \+ first step\)/plain first step = {per_config}; "
+                     r"target <= 2$", out, re.M), out
+    for config in ("L=2 M=2", "L=2 M=4", "L=2 DP=2"):   # a table row per side
+        for side in ("epl", "plain"):
+            assert re.search(rf"^\s*{config}\s+{side}\s", out, re.M), out
