@@ -17,7 +17,7 @@ runs of each run's median.  One line per example:
 Target: every ratio within 0.7-1.3 (the planner within 30% of the measured
 step).  These small steps are dominated by TensorFlow's fixed and per-op
 costs, which the cost model takes from the CPU profile's micro-benchmark
-(`epl.planner.profiles.calibrate_cpu_profile`: a step's fixed cost, per-op cost,
+(`epl.planner.calibration.calibrate_cpu_profile`: a step's fixed cost, per-op cost,
 costly-kernel cost, FLOP rate and optimizer rate fitted on reference
 training steps that are none of the examples, the local collectives'
 latency and bandwidth, the input reads, and the sync time each

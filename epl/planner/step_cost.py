@@ -212,7 +212,7 @@ def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
     (virtual CPU devices) add, per replica beyond the first, the slowest
     device's `replica_sync_s`: the input reads on device 0 and the waits at
     the all-reduce barrier of replicas taking turns on the same cores,
-    measured by `epl.planner.profiles.calibrate_cpu_profile` (0 for the GPU table:
+    measured by `epl.planner.calibration.calibrate_cpu_profile` (0 for the GPU table:
     a GPU's replicas run side by side).  Zero on one device."""
     n = len(devices) if n is None else n
     if n <= 1 or nbytes <= 0:
@@ -236,7 +236,7 @@ def input_time(devices: Sequence[ClusterDevice], reads: int,
     every device waits for its own: each read pays the profile's
     `input_read_s`, each example `input_example_s` (the first device's
     profile: the iterator sits there, as EPL places the input; both
-    measured by `epl.planner.profiles.calibrate_cpu_profile`, 0 for the GPU table,
+    measured by `epl.planner.calibration.calibrate_cpu_profile`, 0 for the GPU table,
     whose published figures have none)."""
     profile = devices[0].profile
     return reads * profile.input_read_s + examples * profile.input_example_s

@@ -61,7 +61,7 @@ never imports TensorFlow; ``--graph`` and ``--script`` do.
 the host is loaded, its load average above half its cores, and for each
 fitted value far outside the range an idle 2-core host fits,
 `EXPECTED_RANGES`) measures this machine's "CPU" profile with TensorFlow's
-micro-benchmark (`epl.planner.profiles.calibrate_cpu_profile`: a training step's
+micro-benchmark (`epl.planner.calibration.calibrate_cpu_profile`: a training step's
 fixed, per-op, costly-kernel, FLOP and optimizer costs fitted on reference
 training steps, memory bandwidth, the local collectives' latency and
 bandwidth, the input reads and the replicas' sync) and prints it, or
@@ -474,7 +474,7 @@ def calibrate(output: str | None, progress=None) -> str:
     expected ranges). Returns the profile file's JSON text, or a line naming the
     file written. Raises PlanInputError when `output` cannot be written.
     """
-    from epl.planner.profiles import calibrate_cpu_profile, profile_file
+    from epl.planner.calibration import calibrate_cpu_profile, profile_file
     say = progress or (lambda line: None)
     for warning in host_load_warnings():
         say(warning)

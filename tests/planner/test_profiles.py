@@ -1,10 +1,11 @@
-"""Tests of epl.planner.profiles: the device table, overrides, detection, clusters."""
+"""Tests of epl.planner.profiles: the device table, overrides, detection, clusters;
+and of epl.planner.calibration, the CPU micro-benchmark."""
 
 import os
 
 import pytest
 
-from epl.planner import profiles
+from epl.planner import calibration, profiles
 from epl.errors import ClusterError, ConfigError
 from epl.planner.profiles import (DeviceProfile, HostNetwork, HostSpec,
                           detect_profile, get_profile, parse_cluster,
@@ -436,12 +437,12 @@ def test_step_overhead_and_shared_by_refuse_bad_values():
 def test_fit_nonnegative_recovers_costs_and_holds_floors():
     rows = [[1.0, x, y] for x, y in [(1, 0), (2, 1), (5, 3), (9, 2), (4, 7)]]
     times = [0.5 + 2.0 * x + 3.0 * y for _, x, y in rows]
-    assert profiles._fit_nonnegative(rows, times, (0.0, 0.0, 0.0)) == \
+    assert calibration._fit_nonnegative(rows, times, (0.0, 0.0, 0.0)) == \
         pytest.approx([0.5, 2.0, 3.0])
     # a cost the data make negative is held at its floor, the others are
     # the least-squares fit of what is left
     times = [1.0 + 2.0 * x - 0.5 * y for _, x, y in rows]
-    fit = profiles._fit_nonnegative(rows, times, (0.0, 0.0, 1e-3))
+    fit = calibration._fit_nonnegative(rows, times, (0.0, 0.0, 1e-3))
     import numpy as np
     a = np.asarray(rows)
     rest = np.asarray(times) - 1e-3 * a[:, 2]
@@ -452,7 +453,7 @@ def test_fit_nonnegative_recovers_costs_and_holds_floors():
 
 def test_step_terms_count_what_the_reference_steps_hold():
     import tensorflow as tf
-    small, deep, block, blocks, einsum = (profiles._step_terms(tf, step) for step in (
+    small, deep, block, blocks, einsum = (calibration._step_terms(tf, step) for step in (
         ("mlp", 16, 2, 8), ("mlp", 16, 10, 8), ("transformer", 1, False),
         ("transformer", 4, False), ("transformer", 1, True)))
     assert [len(t) for t in (small, block)] == [4 + len(profiles.KERNEL_CLASSES)] * 2
@@ -481,7 +482,7 @@ def test_step_costs_from_the_fit():
     kernel = [4e-5, 2e-5, 1e-5][:classes]
     seconds = [3e-4 + t[1] * 1e-7 + t[2] / 1.5e11 + t[3] / 3e10 +
                sum(k * n for k, n in zip(kernel, t[4:])) for t in terms]
-    costs = profiles._step_costs(terms, seconds)
+    costs = calibration._step_costs(terms, seconds)
     assert costs.fixed_s == pytest.approx(3e-4)
     assert costs.op_s == pytest.approx(1e-7)
     assert costs.flop_rate == pytest.approx(1.5e11)
@@ -561,7 +562,7 @@ def test_overhead_field_error_names_the_profile_and_field():
 
 def test_measured_cpu_profile_has_overhead_terms_and_round_trips():
     cpu = profiles.cpu_profile()
-    assert cpu.op_overhead_s >= profiles._FIT_FLOORS[1]
+    assert cpu.op_overhead_s >= calibration._FIT_FLOORS[1]
     assert cpu.step_overhead_s > 0
     assert set(cpu.op_type_overhead_s) == {t for types in profiles.KERNEL_CLASSES
                                            for t in types}

@@ -266,8 +266,8 @@ def test_calibration_warns_of_a_loaded_host_and_of_far_fitted_values(monkeypatch
         "2-core host fits (README, \"Planner calibration\"): the host was busy, or its CPU "
         "differs; check the figures before planning with them"]
     # calibrate() says both, through its progress function, around the measurement
-    from epl.planner import profiles
-    monkeypatch.setattr(profiles, "calibrate_cpu_profile",
+    from epl.planner import calibration
+    monkeypatch.setattr(calibration, "calibrate_cpu_profile",
                         lambda progress=None: (progress("round 1"), far)[1])
     monkeypatch.setattr(epl_plan, "host_load_warnings", lambda: ["loaded"])
     said = []
