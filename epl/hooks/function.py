@@ -247,16 +247,23 @@ EAGER_REMEDY = (
     "theirs.")
 
 
+def _user_variables(lowered: Lowered, variables) -> dict:
+    """{name of a variable op of the lowered graph: the user's tf.Variable it stands for},
+    for the variables the trace accessed (FuncGraph.variables), matched by handle."""
+    by_handle = {id(v.handle): v for v in variables}
+    return {name: by_handle[id(captured.handle)] for name, captured in lowered.variables.items()
+            if id(captured.handle) in by_handle}
+
+
 def _in_user_terms(err: EPLError, lowered: Lowered, variables) -> EPLError:
     """`err` of the lowered graph's rewrite with the user's variable names for the
     lowered graph's variable ops, and, for a write EPL cannot keep consistent, the
     remedy of an eager program; an error of the same type."""
     message = str(err)
-    by_handle = {id(v.handle): v for v in variables}
-    for name in sorted(lowered.variables, key=len, reverse=True):
-        user = by_handle.get(id(lowered.variables[name].handle))
-        if user is not None:
-            message = message.replace(f"variable {name} ", f"variable {user.name.split(':')[0]} ")
+    users = _user_variables(lowered, variables)
+    for name in sorted(users, key=len, reverse=True):
+        message = message.replace(f"variable {name} ",
+                                  f"variable {users[name].name.split(':')[0]} ")
     if "would hold a different value on each replica" in message:
         message = f"{message} {EAGER_REMEDY}"
     return type(err)(message)
@@ -378,11 +385,10 @@ def _join_forward_state(lowered: Lowered, record: GraphRecord, variables) -> Non
     inputs, _ = find_batch_inputs(ancestors(_losses(record)))
     from_batch = descendants(inputs)
     from_loss = descendants([t for op in _losses(record) for t in op.outputs])
-    by_handle = {id(v.handle): v for v in variables}
+    users = _user_variables(lowered, variables)
     for op in record.forward_writes:
         variable = op.inputs[0].op
-        captured = lowered.variables.get(variable.name)
-        eager = by_handle.get(id(captured.handle)) if captured is not None else None
+        eager = users.get(variable.name)
         if eager is not None and eager.aggregation == tf.VariableAggregation.SUM:
             if variable.outputs[0] not in graph.get_collection(
                     tf.compat.v1.GraphKeys.METRIC_VARIABLES):
