@@ -241,7 +241,7 @@ def needs_parallelize(record: GraphRecord | None) -> bool:
 
 
 @contextlib.contextmanager
-def _clean_construction_context(graph: tf.Graph):
+def clean_construction_context(graph: tf.Graph):
     """Build EPL's ops at the top level: no user scopes, devices or control deps."""
     saved_attrs = graph._attr_scope_map
     graph._attr_scope_map = {}
@@ -329,7 +329,7 @@ def run_passes(graph: tf.Graph, ctx: PassContext, passes: list, instruments: lis
     if finalized:
         graph._unsafe_unfinalize()
     try:
-        with _clean_construction_context(graph):
+        with clean_construction_context(graph):
             manager = PassManager(passes, instruments, ctx.available,
                                   done=ctx.passes_run + ctx.passes_off,
                                   fallback_taskgraph=ctx.get(TrainingView).taskgraphs[0].name)

@@ -9,7 +9,9 @@ parallel (the layer between EPL's API and its driver, epl/parallel.py).
   tensors, feeds, variable sync, bounded multi-worker runs).
 - `epl.hooks.function`: tf.function training steps in eager TensorFlow 2 (the
   tape inside a trace, the rewrite of the traced graph); `epl.hooks.keras`: Keras 3
-  layers (their scopes) and optimizers (their updates).
+  layers (their scopes) and optimizers (their updates); `epl.hooks.legacy_keras`:
+  tf-keras in graph mode (its training step, its early session,
+  epl.hooks.late_rewrite).
 - Savers: checkpoints of split variables under their single-device names
   (epl.checkpoint.sharded_variable).
 - `epl.hooks.record`: each graph's `GraphRecord` (what construction and gradient
@@ -24,10 +26,11 @@ def install() -> None:
     package's import, so that the scopes (epl/strategies.py) can use
     epl.hooks.record without importing the hooks that use the scopes' layer."""
     from epl.checkpoint import sharded_variable
-    from epl.hooks import eager_scopes, function, keras, optimizer, session
+    from epl.hooks import eager_scopes, function, keras, legacy_keras, optimizer, session
     optimizer.install()
     session.install()
     sharded_variable.install_saver_support()
     function.install()
     keras.install()
+    legacy_keras.install()
     eager_scopes.on_eager_enter(keras.install)

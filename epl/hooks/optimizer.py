@@ -296,9 +296,25 @@ def install() -> None:
     _ORIGINAL["apply_gradients"] = _Optimizer.apply_gradients
     _Optimizer.compute_gradients = functools.wraps(_ORIGINAL["compute_gradients"])(compute_gradients)
     _Optimizer.apply_gradients = functools.wraps(_ORIGINAL["apply_gradients"])(apply_gradients)
-    for module in (tf, tf.compat.v1):
+    for module in _gradients_modules():
         original = module.gradients
         _ORIGINAL[f"gradients:{module.__name__}"] = original
         # never converted by autograph when a tf.function calls it
         module.gradients = tf.autograph.experimental.do_not_convert(functools.wraps(original)(
             functools.partial(_user_gradients, original)))
+
+
+def _gradients_modules() -> list:
+    """Every TensorFlow API module whose `gradients` is tf.gradients or
+    tf.compat.v1.gradients. `tf.compat.v1` is not one module: tf-keras calls
+    `tf.compat.v1.gradients` through `tensorflow.compat.v2`, whose `compat.v1` is
+    another module object (tensorflow._api.v2.compat.v2.compat.v1) than
+    `tensorflow.compat.v1`; each alias is wrapped so that every caller is recorded."""
+    originals = {tf.gradients, tf.compat.v1.gradients}
+    modules = [tf, tf.compat.v1, tf.compat.v2, tf.compat.v2.compat.v1, tf.compat.v1.compat.v1,
+               tf.compat.v1.compat.v2]
+    out = []
+    for module in modules:
+        if module not in out and getattr(module, "gradients", None) in originals:
+            out.append(module)
+    return out

@@ -5,6 +5,8 @@
   EPL annotated it, and gets the config that creates the worker's devices.
 - `Scaffold.finalize` (MonitoredTrainingSession) parallelizes before the graph
   is finalized, so the scaffold's init op and saver see the parallel graph.
+- `Session.make_callable` and the callables tf-keras's backend functions make
+  (`_make_callable_from_options`) run through `Session.run` on a parallelized graph.
 - `Session.run` returns merged values for merged tensors (the loss is the mean
   over the global batch), and after a run that wrote an original variable
   (initialization, restore, an assign) copies it into the replicas' mirrors;
@@ -29,6 +31,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.client import session as session_lib
@@ -36,13 +39,13 @@ from tensorflow.python.client import session as session_lib
 from epl.env import CaptureStop, capturing
 from epl.hooks.record import record_of
 from epl.ir.consistency import varying_tensor
-from epl.ir.graph_view import ancestors
+from epl.ir.graph_view import ancestors, has_training_step
 from epl.parallel import ParallelGraph, needs_parallelize, parallelize
 from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
 from epl.checkpoint import damage
-from epl.errors import CheckpointError
+from epl.errors import CheckpointError, ParallelizeError
 from epl.runtime import run_errors
 from epl.runtime.horovod_comm import collective_label
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
@@ -52,7 +55,10 @@ from epl.runtime.worker_status import STATUS
 RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 SAVE_TYPES = frozenset({"SaveV2", "Save", "SaveSlices", "MergeV2Checkpoints"})
 _ORIGINAL = {}
-_ABANDONED = []  # sessions left open because a run of theirs is stuck (see _session_close)
+_ABANDONED = []
+_DEFERRING = False   # see deferring()
+_EARLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # graph -> sessions
+_CALLABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # session -> callables  # sessions left open because a run of theirs is stuck (see _session_close)
 
 
 def parallel_graph(graph: tf.Graph | None) -> ParallelGraph | None:
@@ -61,19 +67,25 @@ def parallel_graph(graph: tf.Graph | None) -> ParallelGraph | None:
     return record.result if record is not None else None
 
 
-def _parallelize_if_needed(graph: tf.Graph) -> None:
-    """Rewrite `graph` if EPL annotated it and has not rewritten it yet."""
+def _parallelize_if_needed(graph: tf.Graph) -> bool:
+    """Rewrite `graph` if EPL annotated it and has not rewritten it yet. A session
+    opened while `deferring()` (tf-keras opens its own before fit builds the training
+    step) on a graph without a training step yet leaves it as it is: returns False
+    (the graph is rewritten when its step exists, epl/hooks/legacy_keras.py)."""
     record = record_of(graph, create=False)
     if needs_parallelize(record):
         if capturing():   # epl.capture: stop the script here, before the rewrite
             raise CaptureStop(graph)
+        if _DEFERRING and not has_training_step(record):
+            return False
         parallelize(graph, record)
+    return True
 
 
 def _session_init(self, target="", graph=None, config=None):
     graph_ = graph if graph is not None else tf.compat.v1.get_default_graph()
     try:
-        _parallelize_if_needed(graph_)
+        ready = _parallelize_if_needed(graph_)
     except BaseException:   # also epl.capture's CaptureStop
         self._session = None  # so BaseSession.__del__ of this half-built session is quiet
         raise
@@ -81,6 +93,83 @@ def _session_init(self, target="", graph=None, config=None):
     if result is not None:
         config = result.session_config(config)
     _ORIGINAL["init"](self, target, graph, config)
+    if not ready or result is None:   # the graph may be rewritten later (legacy_keras)
+        _EARLY.setdefault(graph_, weakref.WeakSet()).add(self)
+
+
+@contextlib.contextmanager
+def deferring():
+    """Sessions opened inside do not fail on an annotated graph that has no training
+    step yet: they are kept (`early_sessions`) and moved onto the rewritten graph
+    when the step exists (epl/hooks/late_rewrite.py). tf-keras's backend opens its
+    session inside (epl/hooks/legacy_keras.py)."""
+    global _DEFERRING
+    saved, _DEFERRING = _DEFERRING, True
+    try:
+        yield
+    finally:
+        _DEFERRING = saved
+
+
+def early_sessions(graph: tf.Graph) -> list:
+    """The open sessions on `graph` created before it was rewritten (opened inside
+    `deferring`, or before EPL annotated the graph)."""
+    return [s for s in _EARLY.pop(graph, ()) if not s._closed and s._session is not None]
+
+
+def session_callables(session) -> list:
+    """The TensorFlow callables made on `session` (Session._make_callable_from_options)
+    that still hold a handle."""
+    return [c for c in _CALLABLES.get(session, ()) if c._handle is not None]
+
+
+def _make_callable_from_options(self, callable_options):
+    """A callable (what tf-keras's backend functions run): on a parallelized graph it
+    runs through Session.run (`_callable_call`), which remaps the fetches, redirects
+    the feeds and syncs the mirrors; on any other graph TensorFlow's own, noted, so
+    that a later rewrite can release it (epl/hooks/late_rewrite.py)."""
+    if parallel_graph(self.graph) is None:
+        callable_ = _ORIGINAL["make_callable"](self, callable_options)
+        _CALLABLES.setdefault(self, weakref.WeakSet()).add(callable_)
+    else:
+        if callable_options.tensor_connection:
+            raise ParallelizeError(
+                "a callable with tensor connections (a tf-keras backend function fed from "
+                "symbolic tensors) cannot run on a graph EPL parallelized: feed arrays (or a "
+                "tf.data dataset) instead.")
+        callable_ = object.__new__(session_lib.BaseSession._Callable)
+        callable_._session, callable_._handle = self, None
+    callable_._epl_options = callable_options
+    return callable_
+
+
+def _make_callable(self, fetches, feed_list=None, accept_options=False):
+    """Session.make_callable: on a parallelized graph a function that runs through
+    Session.run (TensorFlow's own would skip the merges, the feed redirects and the
+    mirrors' sync); on any other graph TensorFlow's own."""
+    if parallel_graph(self.graph) is None:
+        return _ORIGINAL["public_make_callable"](self, fetches, feed_list, accept_options)
+    feeds = list(feed_list or [])
+
+    def run(*args, **kwargs):
+        if len(args) != len(feeds):
+            raise TypeError(f"expected {len(feeds)} argument(s) (the feed_list's), got {len(args)}")
+        if kwargs and not accept_options:
+            raise TypeError("this callable was made without accept_options=True")
+        return self.run(fetches, feed_dict=dict(zip(feeds, args)),
+                        options=kwargs.get("options"), run_metadata=kwargs.get("run_metadata"))
+    return run
+
+
+def _callable_call(self, *args, **kwargs):
+    options = self.__dict__.get("_epl_options")
+    if options is None or self._handle is not None:
+        return _ORIGINAL["callable_call"](self, *args, **kwargs)
+    fetches = list(options.fetch)
+    values = self._session.run(fetches + list(options.target),
+                               feed_dict=dict(zip(options.feed, args)),
+                               run_metadata=kwargs.get("run_metadata"))
+    return values[:len(fetches)]
 
 
 def _scaffold_finalize(self):
@@ -444,15 +533,22 @@ def _saver_restore(self, sess, save_path):
 
 
 def install() -> None:
-    """Wrap BaseSession.__init__/run/close, Scaffold.finalize and Saver.restore
-    (idempotent)."""
+    """Wrap BaseSession.__init__/run/close/make_callable/_make_callable_from_options,
+    its callables' __call__, Scaffold.finalize and Saver.restore (idempotent)."""
     if _ORIGINAL:
         return
     base = session_lib.BaseSession
     scaffold = tf.compat.v1.train.Scaffold
     saver = tf.compat.v1.train.Saver
     _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize,
-                     close=base.close, restore=saver.restore)
+                     close=base.close, restore=saver.restore,
+                     make_callable=base._make_callable_from_options,
+                     public_make_callable=base.make_callable,
+                     callable_call=base._Callable.__call__)
+    base._make_callable_from_options = functools.wraps(_ORIGINAL["make_callable"])(
+        _make_callable_from_options)
+    base._Callable.__call__ = functools.wraps(_ORIGINAL["callable_call"])(_callable_call)
+    base.make_callable = functools.wraps(_ORIGINAL["public_make_callable"])(_make_callable)
     base.__init__ = functools.wraps(_ORIGINAL["init"])(_session_init)
     base.run = functools.wraps(_ORIGINAL["run"])(_session_run)
     base.close = functools.wraps(_ORIGINAL["close"])(_session_close)

@@ -589,19 +589,14 @@ def training_steps(record: GraphRecord):
     return steps
 
 
-# tf-keras (legacy Keras) in graph mode opens its session (backend.get_session()) and runs
-# the variables' initializers in it when it builds the model, before fit builds its
-# training function. Rewriting the graph after that run is unsound: a session that has
-# run sends every op that existed then to TensorFlow's runtime once, and later changes
-# to those ops (devices, inputs, attributes: what the passes do) have no effect there
-# (TensorFlow warns "This mutation will have no effect"). So EPL refuses it.
+# tf-keras (legacy Keras) in graph mode: EPL parallelizes when fit (or train_on_batch)
+# builds the training step, and moves the sessions opened before onto the rewritten
+# graph (epl/hooks/legacy_keras.py). A session the script opens itself after building
+# the model under the scopes and before fit is the one case that cannot wait.
 LEGACY_KERAS_FIT = (
-    " If this is a tf-keras (legacy Keras) model in graph mode: EPL does not parallelize "
-    "graph-mode tf-keras compile/fit (Keras opens its session before fit builds the "
-    "training step). Run the same model under Keras 3 in eager TensorFlow 2 (no "
-    "tf.compat.v1.disable_eager_execution(), no TF_USE_LEGACY_KERAS; README, \"TensorFlow 2 "
-    "programs\"), or train it in a session loop on "
-    "optimizer.minimize(loss) of the model's output.")
+    " If this is a tf-keras (legacy Keras) model in graph mode: EPL parallelizes it when "
+    "fit or train_on_batch builds the training step. Open your own session before building "
+    "the model (tf.compat.v1.keras.backend.set_session), or leave the session to Keras.")
 
 
 def has_training_step(record: GraphRecord) -> bool:

@@ -255,10 +255,10 @@ def test_tf_gradients_on_a_split_model_matches_single_device(gradients_fn):
         np.testing.assert_allclose(result[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_legacy_keras_fit_in_graph_mode_is_refused_with_what_to_use():
-    """tf-keras compile/fit in graph mode (the model built under an EPL scope, as the
-    issue's user did) opens its session before fit builds the training step: EPL says
-    it does not parallelize it and what to use instead, before anything trains."""
+def test_own_session_between_a_tf_keras_model_and_fit_is_refused_with_what_to_do():
+    """A tf-keras model built under an EPL scope, then a session the script opens itself
+    before fit builds the training step: EPL cannot wait for the step (Keras's own
+    session can, tests/integration/test_legacy_keras.py), and says what to do."""
     env.reset()
     epl.init(epl.Config({"cluster.virtual_devices": 2}))
     keras = tf.keras   # tf-keras under TF_USE_LEGACY_KERAS=1 (the suite's setting)
@@ -268,15 +268,11 @@ def test_legacy_keras_fit_in_graph_mode_is_refused_with_what_to_use():
                                       keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.legacy.Adam(0.01), loss="mse")
         with pytest.raises(epl.ParallelizeError) as err:
-            model.fit(np.ones((64, 4), np.float32), np.ones((64, 1), np.float32),
-                      batch_size=32, verbose=0)
+            tf.compat.v1.Session()
     env.reset()
     assert str(err.value).endswith(
         "no gradients were built. Build the training step before creating the session or "
         "calling epl.parallelize(); an inference-only graph needs no EPL scopes. If this is a "
-        "tf-keras (legacy Keras) model in graph mode: EPL does not parallelize graph-mode "
-        "tf-keras compile/fit (Keras opens its session before fit builds the training step). "
-        "Run the same model under Keras 3 in eager TensorFlow 2 (no "
-        "tf.compat.v1.disable_eager_execution(), no TF_USE_LEGACY_KERAS; README, \"TensorFlow "
-        "2 programs\"), or train it in a session loop on optimizer.minimize(loss) of the "
-        "model's output.")
+        "tf-keras (legacy Keras) model in graph mode: EPL parallelizes it when fit or "
+        "train_on_batch builds the training step. Open your own session before building the "
+        "model (tf.compat.v1.keras.backend.set_session), or leave the session to Keras.")

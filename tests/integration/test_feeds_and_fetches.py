@@ -38,7 +38,7 @@ def _scaled_model(rows: int, scale: tf.Tensor):
     return x, loss, train_op
 
 
-def _fed_run(config: dict | None, kind: str, value: float):
+def _fed_run(config: dict | None, kind: str, value: float, callable_: bool = False):
     """(loss, final w) of two steps with the scale fed `value`."""
     env.reset()
     units = 1
@@ -56,8 +56,12 @@ def _fed_run(config: dict | None, kind: str, value: float):
         x, loss, train_op = _scaled_model(rows // units, scale)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            losses = [sess.run([loss, train_op], {x: DATA[i * rows:(i + 1) * rows], scale: value})[0]
-                      for i in range(2)]
+            if callable_:   # Session.make_callable: the same as Session.run
+                step = sess.make_callable([loss, train_op], feed_list=[x, scale])
+                losses = [step(DATA[i * rows:(i + 1) * rows], value)[0] for i in range(2)]
+            else:
+                losses = [sess.run([loss, train_op], {x: DATA[i * rows:(i + 1) * rows],
+                                                      scale: value})[0] for i in range(2)]
             return losses, sess.run(tf.compat.v1.trainable_variables()[0])
     env.reset()
 
@@ -73,6 +77,16 @@ def test_a_fed_tensor_reaches_every_copy(kind, layout):
         zero = _fed_run(LAYOUTS[layout], kind, 0.0)
         assert zero[0] == [0.0, 0.0]
         np.testing.assert_array_equal(zero[1], np.ones([3, 1], np.float32))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_make_callable_runs_what_session_run_runs(layout):
+    """A step made with Session.make_callable fetches the merged loss and trains as
+    Session.run does (TensorFlow's own callable bypasses Session.run)."""
+    reference = _fed_run(None, "placeholder", 0.5)
+    result = _fed_run(LAYOUTS[layout], "placeholder", 0.5, callable_=True)
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-6)
+    np.testing.assert_allclose(result[1], reference[1], rtol=1e-6)
 
 
 def test_a_per_replica_fetch_is_replica_0s_value_with_one_warning(caplog):

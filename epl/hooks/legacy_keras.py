@@ -1,0 +1,202 @@
+"""tf-keras (legacy Keras, `TF_USE_LEGACY_KERAS=1`) in graph mode under EPL:
+`compile` / `fit` / `evaluate` / `predict` / `train_on_batch`.
+
+tf-keras's graph-mode training (tf_keras.src.engine.training_v1) builds the training
+step in `Model._make_train_function`, from `fit` or `train_on_batch`: the optimizer's
+`get_updates` calls `tf.compat.v1.gradients` (recorded by epl.hooks.optimizer) and
+applies them. Its backend opens its session earlier (`backend._get_session`: to
+initialize the weights, to reset the metrics, for `get_weights` or an `evaluate`
+before `fit`). The hooks:
+
+- `Layer.__new__` / `Layer.__call__`: a layer constructed under a scope (or after
+  `epl.set_default_strategy`) remembers it, and re-enters it when it is called
+  where no scope or default is open: a subclassed model builds its ops when `fit`
+  first calls it, after the scopes around its construction closed. Where a scope
+  is open at the call, that scope tags the ops, as for any graph-mode code.
+- `backend._get_session` opens its session inside `epl.hooks.session.deferring()`,
+  so a session opened before the step exists does not fail ("annotations but no
+  training step") and is kept;
+- `Model._make_train_function`, once the step exists: the model's metric variables
+  (Keras metrics are running sums, `aggregation=SUM`) become shared accumulators
+  (tf.GraphKeys.METRIC_VARIABLES, as in eager mode, epl/hooks/function.py), the
+  graph is parallelized, and each session opened before is moved onto the rewritten
+  graph with its variables' values (epl/hooks/late_rewrite.py).
+
+Keras's backend functions run through callables, which EPL runs through
+`Session.run` (epl.hooks.session), so fetches, feeds and the mirrors' sync are the
+same as a session script's. What each function computes is in docs (the support
+matrix of "TensorFlow 2 programs").
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+
+import tensorflow as tf
+
+from epl.env import get_config, is_initialized
+from epl.errors import ParallelizeError
+from epl.ir.annotations import StrategyKind
+from epl.hooks import eager_scopes, late_rewrite, session as session_hooks
+from epl.hooks.record import record_of
+from epl.parallel import needs_parallelize, parallelize
+
+SPEC_ATTR = "_epl_graph_spec"
+_SCOPES_OFF = False   # see _no_layer_scopes
+_ORIGINAL: dict = {}
+
+
+def _graph_spec():
+    """The strategy whose ops the default graph's ops get now: the innermost open scope,
+    else the default strategy (epl.set_default_strategy); None outside both."""
+    record = record_of(tf.compat.v1.get_default_graph(), create=False)
+    if record is None:
+        return None
+    return record.scope_stack[-1] if record.scope_stack else record.default_spec
+
+
+def _layer_new(cls, *args, **kwargs):
+    layer = _ORIGINAL["new"](cls, *args, **kwargs)
+    spec = _graph_spec() if is_initialized() and not tf.executing_eagerly() else None
+    if spec is not None:
+        object.__setattr__(layer, SPEC_ATTR, spec)
+    return layer
+
+
+def _scoped_call(original: str):
+    """Layer.__call__ (`_ORIGINAL[original]`) that re-enters the layer's scope."""
+    call = _ORIGINAL[original]
+
+    @functools.wraps(call)
+    def layer_call(self, *args, **kwargs):
+        spec = self.__dict__.get(SPEC_ATTR)
+        if spec is None or _SCOPES_OFF or tf.executing_eagerly() or not is_initialized() \
+                or _graph_spec() is not None:
+            return call(self, *args, **kwargs)
+        with eager_scopes.traced_scope(spec):
+            return call(self, *args, **kwargs)
+    return layer_call
+
+
+def _get_session(*args, **kwargs):
+    with session_hooks.deferring():
+        return _ORIGINAL["get_session"](*args, **kwargs)
+
+
+def _make_train_function(self):
+    if is_initialized() and not tf.executing_eagerly():
+        _refuse_keras_optimizer(self)
+    _ORIGINAL["make_train_function"](self)
+    if not is_initialized() or tf.executing_eagerly():
+        return
+    graph = self.total_loss.graph if getattr(self, "total_loss", None) is not None \
+        else tf.compat.v1.get_default_graph()
+    record = record_of(graph, create=False)
+    if not needs_parallelize(record):
+        return
+    metric_variables = [v for metric in self.metrics for v in metric.variables]
+    known = set(graph.get_collection(tf.compat.v1.GraphKeys.METRIC_VARIABLES))
+    for variable in metric_variables:
+        if variable not in known:
+            graph.add_to_collection(tf.compat.v1.GraphKeys.METRIC_VARIABLES, variable)
+    sessions = session_hooks.early_sessions(graph)
+    optimizer = self.optimizer.variables() if hasattr(self.optimizer, "variables") else []
+    variables = late_rewrite.known_variables(
+        graph, list(self.variables) + metric_variables + list(optimizer))
+    states = [late_rewrite.read_state(s, variables) for s in sessions]
+    result = parallelize(graph, record)
+    self.predict_function = None   # one made before reads replica 0's rows: rebuilt
+    for session, state in zip(sessions, states):
+        late_rewrite.move_session(session, result, state, session_hooks.session_callables(session))
+
+
+def _refuse_keras_optimizer(model) -> None:
+    """ZeRO and epl.split need the optimizer's update as tf.compat.v1.train optimizers
+    build it (per variable, recorded by epl.hooks.optimizer): a tf-keras optimizer
+    updates whole variables (a split one is sharded) and passes its gradients through
+    one IdentityN, which ZeRO cannot shard. Refused before the first step."""
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+    if not isinstance(getattr(model, "optimizer", None), optimizer_v2.OptimizerV2):
+        return
+    graph = model.outputs[0].graph if getattr(model, "outputs", None) else \
+        tf.compat.v1.get_default_graph()
+    record = record_of(graph, create=False)
+    uses = []
+    if get_config().get("zero.level"):
+        uses.append(f"zero.level {get_config().get('zero.level')!r}")
+    if record is not None and any(tg.spec.kind == StrategyKind.SPLIT for tg in record.taskgraphs):
+        uses.append("epl.split")
+    if uses:
+        raise ParallelizeError(
+            f"{' and '.join(uses)} with a tf-keras optimizer "
+            f"({type(model.optimizer).__name__}) in graph mode: EPL shards the update only "
+            "as a tf.compat.v1.train optimizer builds it (a tf-keras optimizer updates whole "
+            "variables through one IdentityN of every gradient). Compile with the "
+            "tf.compat.v1.train optimizer of the same algorithm, e.g. "
+            "model.compile(optimizer=tf.compat.v1.train.AdamOptimizer(0.001), ...), or "
+            "drop " + " and ".join(uses) + ".")
+
+
+def _make_predict_function(self):
+    """predict on a parallelized graph: the model's forward built once more, after the
+    rewrite, on the fed inputs (single-device, in inference mode, on the variables
+    replica 0 trains, which every replica equals). The rewritten forward cannot
+    serve: each of its copies reads its unit's rows, and a pipeline's copies wait
+    for the backward of the micro-batch before (1F1B), which needs the targets."""
+    graph = self._feed_inputs[0].graph if getattr(self, "_feed_inputs", None) else None
+    result = session_hooks.parallel_graph(graph) if graph is not None else None
+    if result is None or getattr(self, "predict_function", None) is not None:
+        return _ORIGINAL["make_predict_function"](self)
+    from tf_keras.src import backend
+    inputs = list(self._feed_inputs)
+    with graph.as_default(), _no_layer_scopes(), tf.name_scope("EPL_PREDICT"):
+        outputs = self(inputs if len(inputs) > 1 else inputs[0], training=False)
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    self.predict_function = backend.function(inputs, outputs, name="predict_function",
+                                             **getattr(self, "_function_kwargs", {}))
+
+
+@contextlib.contextmanager
+def _no_layer_scopes():
+    """Layers called inside do not re-enter their scopes (ops built after the rewrite
+    belong to no TaskGraph)."""
+    global _SCOPES_OFF
+    saved, _SCOPES_OFF = _SCOPES_OFF, True
+    try:
+        yield
+    finally:
+        _SCOPES_OFF = saved
+
+
+def install() -> None:
+    """Wrap tf-keras's Layer.__new__/__call__, backend._get_session and
+    training_v1.Model._make_train_function,
+    when legacy Keras is in use (TF_USE_LEGACY_KERAS set, or tf_keras imported);
+    idempotent."""
+    if _ORIGINAL:
+        return
+    if "tf_keras" not in sys.modules and os.environ.get("TF_USE_LEGACY_KERAS", "").lower() \
+            not in ("1", "true", "yes"):
+        return
+    try:
+        from tf_keras.src import backend
+        from tf_keras.src.engine import base_layer, base_layer_v1, training_v1
+    except ImportError:   # TF_USE_LEGACY_KERAS without tf-keras: TensorFlow says so itself
+        return
+    _ORIGINAL.update(get_session=backend._get_session,
+                     make_train_function=training_v1.Model._make_train_function,
+                     make_predict_function=training_v1.Model._make_predict_function,
+                     new=base_layer.Layer.__new__, call=base_layer.Layer.__call__,
+                     call_v1=base_layer_v1.Layer.__call__)
+    base_layer.Layer.__new__ = staticmethod(functools.wraps(_ORIGINAL["new"])(_layer_new))
+    # graph mode swaps a layer's class to base_layer_v1.Layer (version_utils), whose
+    # __call__ is its own
+    base_layer.Layer.__call__ = _scoped_call("call")
+    base_layer_v1.Layer.__call__ = _scoped_call("call_v1")
+    backend._get_session = functools.wraps(_ORIGINAL["get_session"])(_get_session)
+    training_v1.Model._make_train_function = functools.wraps(
+        _ORIGINAL["make_train_function"])(_make_train_function)
+    training_v1.Model._make_predict_function = functools.wraps(
+        _ORIGINAL["make_predict_function"])(_make_predict_function)

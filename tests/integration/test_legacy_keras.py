@@ -1,0 +1,311 @@
+"""tf-keras (legacy Keras) in graph mode under EPL: compile / fit / evaluate / predict /
+train_on_batch, as Keras users write them, against the same script without EPL.
+
+Each case builds a model in its own tf.Graph (Sequential, functional or subclassed),
+compiles it with a legacy Keras optimizer and fits numpy arrays. The batch Keras
+feeds is the worker's global batch: EPL cuts it into replicas x micro-batches, so
+single-device training of the same script is the oracle. After fit, the weights,
+fit's logged loss and metric, `evaluate`, `predict` and a `train_on_batch` equal the
+script's without EPL (AMP within its rounding). Keras opens its session before fit
+builds the training step (to initialize the weights, for `get_weights`, an
+`evaluate` or a `load_weights` before fit): those cases check that EPL moves that
+session onto the rewritten graph with its values (epl/hooks/late_rewrite.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from conftest import ATOL, NOISE_FACTOR, RTOL
+
+keras = tf.keras   # tf-keras: the tests run with TF_USE_LEGACY_KERAS=1 (tests/conftest.py)
+
+ROWS, FEATURES, CLASSES, BATCH = 64, 8, 3, 16
+AMP_TOLERANCE = dict(rtol=1e-2, atol=1e-3)   # as tests/integration/test_batch_semantics.py
+
+# name -> EPL config
+STRATEGIES = {
+    "dp": {"cluster.virtual_devices": 2},
+    "ga": {"cluster.virtual_devices": 1, "pipeline.num_micro_batch": 2},
+    "pipeline": {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
+    "gpipe": {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2,
+              "pipeline.strategy": "PreferForward"},
+    "gc": {"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto"},
+    "amp": {"cluster.virtual_devices": 2, "amp.level": "O1", "amp.loss_scale": 256.0},
+    "zero": {"cluster.virtual_devices": 2, "zero.level": "v1"},
+    "split": {"cluster.virtual_devices": 2},
+}
+# ZeRO and epl.split shard the update as tf.compat.v1.train optimizers build it: with
+# them the model is compiled with one (a tf-keras optimizer is refused, see below)
+V1_OPTIMIZER_STRATEGIES = ("zero", "split")
+
+
+def data(seed: int = 0, reverse_batches: bool = False):
+    """(features, labels); `reverse_batches`: the rows of every batch in reverse order
+    (the same training in exact arithmetic: the reference's noise floor)."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(ROWS, FEATURES).astype(np.float32)
+    y = rng.randint(0, CLASSES, ROWS).astype(np.int64)
+    if reverse_batches:
+        order = np.arange(ROWS).reshape(-1, BATCH)[:, ::-1].ravel()
+        x, y = x[order], y[order]
+    return x, y
+
+
+def _init(seed):
+    return keras.initializers.GlorotUniform(seed=seed)
+
+
+def _stage(use_epl: bool, stages: bool, index: int):
+    """Between layers, as EPL scripts mark pipeline stages (set_default_strategy)."""
+    if use_epl and stages:
+        epl.set_default_strategy(epl.replicate(1, name=f"stage_{index}"))
+
+
+def sequential(use_epl: bool, stages: bool):
+    scope = epl.replicate(1) if use_epl and not stages else contextlib.nullcontext()
+    with scope:
+        model = keras.Sequential()
+        model.add(keras.Input(shape=(FEATURES,)))
+        _stage(use_epl, stages, 0)
+        model.add(keras.layers.Dense(32, activation="relu", kernel_initializer=_init(1)))
+        model.add(keras.layers.Dense(32, activation="tanh", kernel_initializer=_init(2)))
+        _stage(use_epl, stages, 1)
+        model.add(keras.layers.Dense(CLASSES, kernel_initializer=_init(3)))
+    if use_epl and stages:
+        epl.set_default_strategy(None)
+    return model
+
+
+def functional(use_epl: bool, stages: bool):
+    inputs = keras.Input(shape=(FEATURES,))
+    with (epl.replicate(1) if use_epl and not stages else contextlib.nullcontext()):
+        _stage(use_epl, stages, 0)
+        hidden = keras.layers.Dense(32, activation="relu", kernel_initializer=_init(1))(inputs)
+        hidden = keras.layers.LayerNormalization()(hidden)
+        _stage(use_epl, stages, 1)
+        residual = keras.layers.Dense(32, activation="relu", kernel_initializer=_init(2))(hidden)
+        hidden = keras.layers.Add()([hidden, residual])
+        outputs = keras.layers.Dense(CLASSES, kernel_initializer=_init(3))(hidden)
+    if use_epl and stages:
+        epl.set_default_strategy(None)
+    return keras.Model(inputs, outputs)
+
+
+class Classifier(keras.Model):
+    """A subclassed model: its ops are built when fit first calls it, after the scopes
+    around its layers' construction have closed."""
+
+    def __init__(self, use_epl: bool, stages: bool):
+        super().__init__()
+        with (epl.replicate(1) if use_epl and not stages else contextlib.nullcontext()):
+            _stage(use_epl, stages, 0)
+            self.body = [keras.layers.Dense(32, activation="relu", kernel_initializer=_init(1)),
+                         keras.layers.Dense(32, activation="relu", kernel_initializer=_init(2))]
+            _stage(use_epl, stages, 1)
+            self.head = keras.layers.Dense(CLASSES, kernel_initializer=_init(3))
+        if use_epl and stages:
+            epl.set_default_strategy(None)
+
+    def call(self, x):
+        for layer in self.body:
+            x = layer(x)
+        return self.head(x)
+
+
+def split_head(use_epl: bool, stages: bool):
+    """A functional model whose classifier is split over 2 devices (epl.split)."""
+    del stages
+    inputs = keras.Input(shape=(FEATURES,))
+    with (epl.replicate(1) if use_epl else contextlib.nullcontext()):
+        hidden = keras.layers.Dense(32, activation="relu", kernel_initializer=_init(1))(inputs)
+    with (epl.split(2) if use_epl else contextlib.nullcontext()):
+        outputs = keras.layers.Dense(CLASSES * 2, kernel_initializer=_init(3))(hidden)
+    return keras.Model(inputs, outputs)
+
+
+MODELS = {"sequential": sequential, "functional": functional, "split_head": split_head,
+          "subclassed": lambda use_epl, stages: Classifier(use_epl, stages)}
+OPTIMIZER = {"keras": lambda: keras.optimizers.legacy.Adam(0.01),
+             "v1": lambda: tf.compat.v1.train.AdamOptimizer(0.01)}
+
+
+def compiled(model_name: str, use_epl: bool, stages: bool, optimizer: str = "keras"):
+    model = MODELS[model_name](use_epl, stages)
+    model.compile(optimizer=OPTIMIZER[optimizer](),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def run(model_name: str, use_epl: bool, stages: bool, before_fit: str = "", epochs: int = 2,
+        weights_in: str | None = None, reverse_batches: bool = False,
+        optimizer: str = "keras") -> dict:
+    """Build, compile and fit in a graph of its own; what the script sees."""
+    x, y = data(reverse_batches=reverse_batches)
+    x_predict = data()[0][:40]
+    out = {}
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(1)
+        if before_fit == "own_session":   # as TF1 scripts with Keras did
+            tf.compat.v1.keras.backend.set_session(tf.compat.v1.Session())
+        model = compiled(model_name, use_epl, stages, optimizer)
+        if weights_in:
+            model.load_weights(weights_in)
+        if before_fit == "get_weights":
+            out["before"] = model.get_weights()
+        elif before_fit == "evaluate":
+            out["before"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+        elif before_fit == "predict":
+            out["before"] = model.predict(x_predict, batch_size=BATCH, verbose=0)
+        history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+        out["history"] = [history.history["loss"], history.history["accuracy"]]
+        out["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+        out["predict"] = model.predict(x_predict, batch_size=20, verbose=0)
+        out["weights"] = model.get_weights()
+        out["train_on_batch"] = model.train_on_batch(x[:BATCH], y[:BATCH])
+        out["weights_after"] = model.get_weights()
+        out["model"] = model
+    return out
+
+
+def assert_same(result: dict, reference: dict, tolerance: dict, floor: dict | None = None) -> None:
+    """Every value the script saw equals the reference's, within `tolerance` plus
+    NOISE_FACTOR x the reference's noise floor (`noise_floor`) where one is given."""
+    for key in ("before", "history", "evaluate", "predict", "weights", "train_on_batch",
+                "weights_after"):
+        if key not in reference:
+            continue
+        got, want = _listed(result[key]), _listed(reference[key])
+        assert len(got) == len(want), key
+        for index, (a, b) in enumerate(zip(got, want)):
+            allowed = dict(tolerance)
+            if floor is not None:
+                allowed["atol"] = tolerance["atol"] + NOISE_FACTOR * floor[key][index]
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                       err_msg=f"{key}[{index}]", **allowed)
+
+
+def _listed(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def noise_floor(reference: dict, again: dict) -> dict:
+    """Per value, the largest difference between the reference and the same training
+    with every batch's rows reversed (what summation order alone changes)."""
+    return {key: [float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+                  for a, b in zip(_listed(reference[key]), _listed(again[key]))]
+            for key in reference if key != "model"}
+
+
+CASES = ["sequential:dp", "functional:dp", "subclassed:dp", "sequential:ga",
+         "subclassed:pipeline", "functional:pipeline", "sequential:gpipe", "functional:gc",
+         "sequential:amp", "functional:zero", "split_head:split"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fit_matches_the_script_without_epl(epl_env, case):
+    model_name, strategy = case.split(":")
+    stages = strategy in ("pipeline", "gpipe")
+    optimizer = "v1" if strategy in V1_OPTIMIZER_STRATEGIES else "keras"
+    reference = run(model_name, use_epl=False, stages=False, optimizer=optimizer)
+    floor = noise_floor(reference, run(model_name, use_epl=False, stages=False,
+                                       reverse_batches=True, optimizer=optimizer))
+    epl_env(STRATEGIES[strategy])
+    result = run(model_name, use_epl=True, stages=stages, optimizer=optimizer)
+    tolerance = AMP_TOLERANCE if strategy == "amp" else dict(rtol=RTOL, atol=ATOL)
+    assert_same(result, reference, tolerance, floor)
+    graph = result["model"].outputs[0].graph
+    from epl.hooks.session import parallel_graph
+    parallel = parallel_graph(graph)
+    assert parallel is not None, "fit did not parallelize the graph"
+    devices = {op.device for op in graph.get_operations() if op.type == "MatMul" and op.device}
+    assert len(devices) == 2 or strategy == "ga", devices
+
+
+@pytest.mark.parametrize("before_fit", ["get_weights", "evaluate", "predict", "own_session"])
+def test_a_session_keras_opened_before_fit_is_moved_onto_the_parallel_graph(epl_env, before_fit):
+    reference = run("sequential", use_epl=False, stages=False, before_fit=before_fit)
+    floor = noise_floor(reference, run("sequential", use_epl=False, stages=False,
+                                       before_fit=before_fit, reverse_batches=True))
+    epl_env(STRATEGIES["pipeline"])
+    result = run("sequential", use_epl=True, stages=True, before_fit=before_fit)
+    assert_same(result, reference, dict(rtol=RTOL, atol=ATOL), floor)
+
+
+@pytest.mark.parametrize("direction", ["epl_to_plain", "plain_to_epl"])
+def test_weights_go_across_layouts(epl_env, tmp_path, direction):
+    """save_weights after one epoch under one layout, load_weights under the other.
+    EPL to plain: the loaded weights are the single-device ones after one epoch.
+    Plain to EPL: loaded before fit (into the session Keras opened early), one more
+    epoch equals the same epoch without EPL from the same file."""
+    path = str(tmp_path / "weights.h5")
+    x, y = data()
+    if direction == "epl_to_plain":
+        epl_env(STRATEGIES["pipeline"])
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(1)
+        model = compiled("functional", use_epl=direction == "epl_to_plain",
+                         stages=direction == "epl_to_plain")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        model.save_weights(path)
+    epl.env.reset()
+    if direction == "epl_to_plain":
+        reference = run("functional", use_epl=False, stages=False, epochs=1)
+        floor = noise_floor(reference, run("functional", use_epl=False, stages=False, epochs=1,
+                                           reverse_batches=True))
+        with tf.Graph().as_default():
+            plain = compiled("functional", use_epl=False, stages=False)
+            plain.load_weights(path)
+            loaded = {"weights": plain.get_weights()}
+        assert_same(loaded, {"weights": reference["weights"]}, dict(rtol=RTOL, atol=ATOL), floor)
+    else:
+        reference = run("functional", use_epl=False, stages=False, epochs=1, weights_in=path)
+        floor = noise_floor(reference, run("functional", use_epl=False, stages=False, epochs=1,
+                                           weights_in=path, reverse_batches=True))
+        epl_env(STRATEGIES["pipeline"])
+        result = run("functional", use_epl=True, stages=True, epochs=1, weights_in=path)
+        assert_same(result, reference, dict(rtol=RTOL, atol=ATOL), floor)
+
+
+def test_callbacks_checkpoint_earlystopping_tensorboard(epl_env, tmp_path):
+    """ModelCheckpoint (weights), EarlyStopping and TensorBoard run under EPL; the
+    checkpoint of the best epoch loads into a model without EPL and predicts what the
+    EPL model predicted after that epoch."""
+    x, y = data()
+    path = str(tmp_path / "ckpt.h5")
+    epl_env(STRATEGIES["dp"])
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(1)
+        model = compiled("sequential", use_epl=True, stages=False)
+        callbacks = [keras.callbacks.ModelCheckpoint(path, save_weights_only=True),
+                     keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0),
+                     keras.callbacks.TensorBoard(str(tmp_path / "tb"))]
+        history = model.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        # min_delta=10 counts no epoch as an improvement: training stops after epoch 2
+        assert len(history.history["loss"]) == 2
+        predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    assert os.listdir(str(tmp_path / "tb")), "TensorBoard wrote nothing"
+    epl.env.reset()
+    with tf.Graph().as_default():
+        plain = compiled("sequential", use_epl=False, stages=False)
+        plain.load_weights(path)
+        np.testing.assert_allclose(plain.predict(x, batch_size=BATCH, verbose=0), predicted,
+                                   rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["zero", "split"])
+def test_zero_and_split_with_a_tf_keras_optimizer_are_refused_before_step_0(epl_env, strategy):
+    epl_env(STRATEGIES[strategy])
+    x, y = data()
+    with tf.Graph().as_default():
+        model = compiled("split_head" if strategy == "split" else "functional", use_epl=True,
+                         stages=False)
+        with pytest.raises(epl.ParallelizeError, match="tf.compat.v1.train.AdamOptimizer"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
