@@ -19,7 +19,9 @@ before `fit`). The hooks:
 - `Model._make_train_function`, once the step exists: the model's metric variables
   (Keras metrics are running sums, `aggregation=SUM`) become shared accumulators
   (tf.GraphKeys.METRIC_VARIABLES, as in eager mode, epl/hooks/function.py), the
-  graph is parallelized, and each session opened before is moved onto the rewritten
+  layers' updates (`add_update`: batch norm's moving statistics) join
+  tf.GraphKeys.UPDATE_OPS, as tf.compat.v1.layers' do (batch_norm.moving_statistics
+  chooses their value), the graph is parallelized, and each session opened before is moved onto the rewritten
   graph with its variables' values (epl/hooks/late_rewrite.py).
 
 Keras's backend functions run through callables, which EPL runs through
@@ -101,6 +103,10 @@ def _make_train_function(self):
     for variable in metric_variables:
         if variable not in known:
             graph.add_to_collection(tf.compat.v1.GraphKeys.METRIC_VARIABLES, variable)
+    update_ops = graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+    for update in self.get_updates_for(None) + self.get_updates_for(self.inputs):
+        if update not in update_ops:   # a layer's add_update: batch norm's moving statistics
+            graph.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
     sessions = session_hooks.early_sessions(graph)
     optimizer = self.optimizer.variables() if hasattr(self.optimizer, "variables") else []
     variables = late_rewrite.known_variables(

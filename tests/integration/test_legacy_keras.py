@@ -38,6 +38,8 @@ STRATEGIES = {
     "gc": {"cluster.virtual_devices": 2, "gradient_checkpoint.type": "auto"},
     "amp": {"cluster.virtual_devices": 2, "amp.level": "O1", "amp.loss_scale": 256.0},
     "zero": {"cluster.virtual_devices": 2, "zero.level": "v1"},
+    "auto_stages": {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2,
+                    "auto.auto_parallel": True, "pipeline.num_stages": 2},
     "split": {"cluster.virtual_devices": 2},
 }
 # ZeRO and epl.split shard the update as tf.compat.v1.train optimizers build it: with
@@ -205,7 +207,7 @@ def noise_floor(reference: dict, again: dict) -> dict:
 
 CASES = ["sequential:dp", "functional:dp", "subclassed:dp", "sequential:ga",
          "subclassed:pipeline", "functional:pipeline", "sequential:gpipe", "functional:gc",
-         "sequential:amp", "functional:zero", "split_head:split"]
+         "sequential:amp", "functional:zero", "split_head:split", "functional:auto_stages"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -309,3 +311,69 @@ def test_zero_and_split_with_a_tf_keras_optimizer_are_refused_before_step_0(epl_
                          stages=False)
         with pytest.raises(epl.ParallelizeError, match="tf.compat.v1.train.AdamOptimizer"):
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def _convnet(use_epl: bool):
+    """A small convnet with BatchNormalization, as the Keras examples write one."""
+    with (epl.replicate(1) if use_epl else contextlib.nullcontext()):
+        inputs = keras.Input(shape=(6, 6, 1))
+        hidden = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=_init(1))(inputs)
+        hidden = keras.layers.BatchNormalization()(hidden)
+        hidden = keras.layers.Flatten()(hidden)
+        outputs = keras.layers.Dense(CLASSES, kernel_initializer=_init(2))(hidden)
+    return keras.Model(inputs, outputs)
+
+
+def _images(reverse_halves: bool = False):
+    rng = np.random.RandomState(3)
+    x = rng.randn(ROWS, 6, 6, 1).astype(np.float32)
+    y = rng.randint(0, CLASSES, ROWS).astype(np.int64)
+    if reverse_halves:   # the same per-replica batches, rows in another order
+        order = np.arange(ROWS).reshape(-1, BATCH // 2)[:, ::-1].ravel()
+        x, y = x[order], y[order]
+    return x, y
+
+
+def _per_replica_reference(reverse_halves: bool = False) -> list:
+    """Single-device training on the replicas' rows: each half of a fed batch
+    normalized with its own statistics (BatchNormalization in training mode), the
+    gradient of the mean of the halves' losses, the moving statistics moved by the
+    first half's (batch_norm.moving_statistics 'replica0')."""
+    x, y = _images(reverse_halves)
+    with tf.Graph().as_default():
+        model = _convnet(False)
+        features = tf.compat.v1.placeholder(tf.float32, [BATCH, 6, 6, 1])
+        labels = tf.compat.v1.placeholder(tf.int64, [BATCH])
+        lossf = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        halves = [slice(0, BATCH // 2), slice(BATCH // 2, BATCH)]
+        losses, moving = [], None
+        for index, rows in enumerate(halves):
+            part = features[rows]
+            losses.append(lossf(labels[rows], model(part, training=True)))
+            if index == 0:
+                moving = model.get_updates_for(part)
+        optimizer = keras.optimizers.legacy.Adam(0.01)
+        train = optimizer.get_updates(loss=(losses[0] + losses[1]) / 2,
+                                      params=model.trainable_weights)
+        session = tf.compat.v1.keras.backend.get_session()
+        for start in range(0, ROWS, BATCH):
+            session.run([train, moving], {features: x[start:start + BATCH],
+                                          labels: y[start:start + BATCH]})
+        return model.get_weights()
+
+
+def test_batch_norm_convnet_matches_training_on_each_replicas_rows(epl_env):
+    """BatchNormalization under data parallelism normalizes each replica's rows with
+    their own statistics (as MirroredStrategy without SyncBatchNormalization): fit
+    equals single-device training on the replicas' rows (`_per_replica_reference`)."""
+    reference = _per_replica_reference()
+    floor = noise_floor({"weights": reference}, {"weights": _per_replica_reference(True)})
+    epl_env(STRATEGIES["dp"])
+    x, y = _images()
+    with tf.Graph().as_default():
+        model = _convnet(True)
+        model.compile(optimizer=keras.optimizers.legacy.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        weights = model.get_weights()
+    assert_same({"weights": weights}, {"weights": reference}, dict(rtol=RTOL, atol=ATOL), floor)

@@ -1,9 +1,10 @@
-"""Eager TensorFlow 2 on 2 Horovod workers x 2 virtual devices (horovodrun, Gloo).
+"""TensorFlow 2 programs on 2 Horovod workers x 2 virtual devices (horovodrun, Gloo).
 
 tests/workers/tf2_multiworker_worker.py: Keras 3 fit and a tf.function step drawing
 from an iterator, each worker on its half of every global batch; after 3 steps
 every worker's variables equal single-device training on the whole global
-batches. Fails, not skips, without Horovod.
+batches. And tf-keras fit in graph mode (tests/workers/legacy_keras_multiworker_worker.py).
+Fails, not skips, without Horovod.
 """
 import json
 
@@ -21,3 +22,14 @@ def test_two_workers_fit_and_custom_loop_match_single_device(tmp_path):
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record["fit"] < 1e-5 and record["iterator"] < 1e-5, record
+
+
+def test_two_workers_legacy_keras_fit_matches_single_device(tmp_path):
+    """tf-keras fit in graph mode (tests/workers/legacy_keras_multiworker_worker.py):
+    every worker's weights and fit's logged loss (the job's: the mean over the global
+    batch) equal the script without EPL on the whole global batches."""
+    result = horovodrun("legacy_keras_multiworker_worker.py", str(tmp_path), timeout=400)
+    assert result.returncode == 0, errors(result.stdout + result.stderr)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["weights"] < 1e-5 and record["loss"] < 1e-5, record
