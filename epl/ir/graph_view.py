@@ -599,8 +599,8 @@ LEGACY_KERAS_FIT = (
     " If this is a tf-keras (legacy Keras) model in graph mode: EPL does not parallelize "
     "graph-mode tf-keras compile/fit (Keras opens its session before fit builds the "
     "training step). Run the same model under Keras 3 in eager TensorFlow 2 (no "
-    "tf.compat.v1.disable_eager_execution(), no TF_USE_LEGACY_KERAS; README, \"TensorFlow 2 "
-    "programs\"), or train it in a session loop on "
+    "tf.compat.v1.disable_eager_execution(), no TF_USE_LEGACY_KERAS; docs/tf2.md), or "
+    "train it in a session loop on "
     "optimizer.minimize(loss) of the model's output.")
 
 
