@@ -4,7 +4,7 @@
 # The build follows the machine (scripts/select_device.py): "gpu" where nvidia-smi
 # lists a GPU (tensorflow[and-cuda], Horovod with NCCL), "cpu" otherwise
 # (tensorflow-cpu, Horovod with Gloo); EPL_DEVICE=cpu|gpu forces either.
-#   make gpu-check - on a machine with NVIDIA GPUs: the GPU checks (README)
+#   make gpu-check - on a machine with NVIDIA GPUs: the GPU checks (docs/gpu.md)
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python

@@ -25,7 +25,7 @@ data-parallel replica beyond the first adds on the shared cores,
 `replica_sync_s`); the CPU profile is
 measured in this process before each run (the prediction and the
 measurement are medians over the runs), since a shared machine's load
-moves both.  The figures are in the README; the last line
+moves both.  The figures are in docs/planner.md ("Planner calibration"); the last line
 counts the examples inside and outside the target.
 No unit test asserts these ratios (measured times): they are this bench's
 figures.

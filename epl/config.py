@@ -298,7 +298,7 @@ _SCHEMA: tuple[KeySpec, ...] = (
             "Scale applied to gradients around float16 all-reduce.",
             minimum=0, exclusive=True),
     # EPL's False clipped each replica's gradients before the all-reduce; here the
-    # reduced gradients are always clipped (README, "Differences from EPL").
+    # reduced gradients are always clipped (docs/differences-from-epl.md).
     KeySpec("communication.clip_after_allreduce", "bool", False,
             "Accepted for EPL's scripts; no effect: gradients are always clipped after "
             "they are reduced (the same update as single-device training)."),

@@ -29,7 +29,7 @@ KERAS_3_MESSAGE = "is not available with Keras 3"
 LEGACY_KERAS_HINT = ("EPL: tf.compat.v1.layers needs legacy Keras: install tf-keras (the same "
                      "version as TensorFlow) and set TF_USE_LEGACY_KERAS=1 in the environment "
                      "before TensorFlow is imported, e.g. `TF_USE_LEGACY_KERAS=1 python "
-                     "train.py` (README, \"Legacy layers\").")
+                     "train.py` (docs/legacy-layers.md).")
 
 
 class Strategy:

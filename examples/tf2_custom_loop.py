@@ -17,7 +17,7 @@ variables under their single-device names: `--restore` loads it into the same
 model built without EPL and checks the values.
 
 A classifier split over devices (`epl.split`) is refused in eager TensorFlow 2
-(README, "TensorFlow 2 programs"): split it in a graph-mode program.
+(docs/tf2.md): split it in a graph-mode program.
 
     python examples/tf2_custom_loop.py [--steps 40] [--batch 32] [--devices 4] [--ckpt DIR]
 """

@@ -243,7 +243,7 @@ def _remap(result: ParallelGraph, fetches):
 
 def _per_replica_fetch(result: ParallelGraph, tensor: tf.Tensor) -> tf.Tensor | None:
     """A fetch of a tensor that has one value per replica and is in no merge collection
-    (README, "What EPL keeps consistent across replicas"): the first unit's copy
+    (docs/consistency.md): the first unit's copy
     (replica 0, micro-batch 0), with a warning once per tensor naming the collections;
     a tensor built after the rewrite on such tensors (it runs the model as replica 0
     sees it) gets the warning too. Returns the copy, or None to fetch `tensor` itself."""

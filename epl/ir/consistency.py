@@ -5,7 +5,7 @@ A data-parallel graph holds one copy of each replicated variable per replica
 every write of a copy computes the same value on every replica: from values that
 are the same everywhere (variables, constants, feeds, reduced gradients, merged
 values), never from one replica's batch. This module is the data-flow analysis
-behind that rule (README "What EPL keeps consistent across replicas"); the
+behind that rule (docs/consistency.md); the
 analysis (`epl.ir.graph_view.analyze`) asks it how to copy each write, the
 `consistency` pass (epl/passes/consistency.py) carries out its decisions and
 refuses what cannot be kept equal, and the verify pass checks the rewritten graph

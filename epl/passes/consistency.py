@@ -74,8 +74,8 @@ def refusal_message(decision) -> str:
     return (f"variable {decision.variable.name} would hold a different value on each "
             f"replica: {decision.op.name} ({decision.op.type}, {where}) writes it, and "
             f"{decision.reason}, without a reduction over the replicas. EPL keeps every "
-            "replica's copy of a variable equal (README, \"What EPL keeps consistent across "
-            f"replicas\"). {REMEDY}")
+            "replica's copy of a variable equal (docs/consistency.md). "
+            f"{REMEDY}")
 
 
 class ConsistencyPass(GraphPass):

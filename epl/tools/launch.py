@@ -24,7 +24,7 @@ TensorFlow, 4 s, once per process), through horovodrun's own entry point.
   reject (its value must then be written ``--option=value``). horovodrun's
   elastic ``--min-np`` is replaced by epl-launch's (below).
 - A bare ``python`` (or ``python3``) command runs with the interpreter
-  epl-launch was installed with, so the README's commands work without
+  epl-launch was installed with, so the commands of the docs work without
   activating the virtual environment. On a job whose hosts are all this
   machine, a command or script that does not exist is refused before any
   worker starts (exit 2).

@@ -497,7 +497,7 @@ def calibrate(output: str | None, progress=None) -> str:
 
 
 #: What `calibrate_cpu_profile` fits on an idle 2-core x86-64 host with AVX-512
-#: (README, "Planner calibration"): field -> (low, high, unit scale, unit), FLOP/s
+#: (docs/planner.md, "Planner calibration"): field -> (low, high, unit scale, unit), FLOP/s
 #: per core. A value more than `FAR` times outside its range gets a warning.
 EXPECTED_RANGES = {
     "step_overhead_s": (0.3e-3, 0.45e-3, 1e3, "ms"),
@@ -542,9 +542,9 @@ def calibration_warnings(profile: Any) -> list[str]:
         suffix = f" {unit}" if unit else ""
         warnings.append(
             f"epl-plan: warning: {name} = {value * scale:.3g}{suffix} is far outside the "
-            f"{low * scale:g}-{high * scale:g}{suffix} an idle 2-core host fits (README, "
-            "\"Planner calibration\"): the host was busy, or its CPU differs; check the "
-            "figures before planning with them")
+            f"{low * scale:g}-{high * scale:g}{suffix} an idle 2-core host fits "
+            "(docs/planner.md, \"Planner calibration\"): the host was busy, or its CPU "
+            "differs; check the figures before planning with them")
     return warnings
 
 

@@ -243,7 +243,7 @@ def test_dict_wins_over_environment_in_init(monkeypatch):
 
 
 def test_init_under_eager_execution_is_accepted_and_empty_eager_scopes_are_refused():
-    """A deliberate difference (README, "Differences from EPL"): EPL's init raised in eager
+    """A deliberate difference (docs/differences-from-epl.md): EPL's init raised in eager
     mode; here eager programs are parallelized (tf.function steps, Keras fit), and an
     eager scope around nothing EPL can parallelize is refused."""
     assert tf.executing_eagerly()

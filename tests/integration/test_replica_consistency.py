@@ -371,7 +371,7 @@ def test_a_write_from_one_replicas_batch_is_refused_naming_it_and_the_remedy():
         "would hold a different value on each replica: AssignVariableOp (AssignVariableOp, in "
         "the training step) writes it, and its value is computed from the batch input x:0, "
         "without a reduction over the replicas. EPL keeps every replica's copy of a variable "
-        "equal (README, \"What EPL keeps consistent across replicas\"). Remedy: compute the "
+        "equal (docs/consistency.md). Remedy: compute the "
         "value from the loss, or add the tensor it is computed from to an EPL merge collection "
         "(epl.add_to_collection(t, epl.GraphKeys.GLOBAL_MEAN_OBJECTS) for a mean over "
         "examples, GLOBAL_SUM_OBJECTS for a sum or count), so the write reads its value over "

@@ -98,25 +98,83 @@ def _markdown_files() -> list[str]:
     return files
 
 
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces made `-`."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors of a page's headings (outside code blocks), with GitHub's `-1`, `-2`
+    suffixes for repeated headings."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        anchor, n = _anchor(heading), 0
+        while (anchor if n == 0 else f"{anchor}-{n}") in anchors:
+            n += 1
+        anchors.add(anchor if n == 0 else f"{anchor}-{n}")
+    return anchors
+
+
+def _links(text: str) -> list[tuple[str, str]]:
+    """(target, anchor) of every markdown link of a page, outside code blocks."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text)
+
+
+def test_anchor_matches_github():
+    assert _anchor("TensorFlow 2 steps") == "tensorflow-2-steps"
+    assert _anchor("`io.batch_mode: \"global\"`") == "iobatch_mode-global"
+    assert _anchor("Tensor and expert parallelism: `epl.split` (reference)") == \
+        "tensor-and-expert-parallelism-eplsplit-reference"
+    assert _anchors("# A\n## B\n## B\n```\n# not a heading\n```\n") == {"a", "b", "b-1"}
+
+
 def test_relative_links_resolve():
+    """Every relative link of README.md and docs/ names an existing file and, with a
+    #anchor into a markdown page, one of that page's headings."""
     for path in _markdown_files():
         with open(path) as f:
             text = f.read()
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
-            if "://" in target:
+        for target, anchor in _links(text):
+            if "://" in target or target.startswith("mailto:"):
                 continue
-            resolved = os.path.normpath(os.path.join(os.path.dirname(path), target))
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), target)) \
+                if target else path
             assert os.path.exists(resolved), f"{path}: broken link {target}"
+            if anchor and resolved.endswith(".md"):
+                with open(resolved) as f:
+                    assert anchor in _anchors(f.read()), \
+                        f"{path}: link {target}#{anchor}: no such heading in {resolved}"
 
 
-def test_every_tutorial_is_linked_from_the_index():
+def test_every_page_is_linked_from_the_index():
     index = _read("docs", "README.md")
     for name in os.listdir(os.path.join(DOCS, "tutorials")):
         assert f"(tutorials/{name})" in index, name
+    for name in os.listdir(DOCS):
+        if name.endswith(".md") and name != "README.md":
+            assert f"({name})" in index, f"docs/README.md does not link {name}"
     readme = _read("README.md")
     for page in ("docs/README.md", "docs/quickstart.md", "docs/config.md", "docs/api.md",
-                 "docs/architecture.md"):
+                 "docs/architecture.md", "docs/batch-contract.md", "docs/troubleshooting.md"):
         assert f"({page})" in readme, page
+
+
+def test_readme_is_the_front_page():
+    """The README is short: the setup commands first (.ci/run runs `make test`), a
+    scoped script, the TensorFlow 2 section, and links into docs/."""
+    readme = _read("README.md")
+    assert len(readme.splitlines()) <= 120
+    commands = re.findall(r"^(make \w+)", readme, re.M)
+    assert commands[:1] == ["make run"] and "make test" in commands[:3], commands
+    assert "make test" in _read(".ci", "run")
+    assert "epl.replicate(" in readme
+    section = readme.split("## TensorFlow 2 programs\n", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/tf2.md#support-matrix)" in section
+    assert "(docs/batch-contract.md#tensorflow-2-steps)" in section
 
 
 def _python_samples() -> list[tuple[str, str]]:

@@ -260,11 +260,11 @@ def test_calibration_warns_of_a_loaded_host_and_of_far_fitted_values(monkeypatch
     far = dataclasses.replace(fine, op_overhead_s=1.2e-6, replica_concurrency=0.2)
     assert epl_plan.calibration_warnings(far) == [
         "epl-plan: warning: op_overhead_s = 1.2 us is far outside the 0.1-0.2 us an idle "
-        "2-core host fits (README, \"Planner calibration\"): the host was busy, or its CPU "
-        "differs; check the figures before planning with them",
+        "2-core host fits (docs/planner.md, \"Planner calibration\"): the host was busy, or "
+        "its CPU differs; check the figures before planning with them",
         "epl-plan: warning: replica_concurrency = 0.2 is far outside the 0.7-1 an idle "
-        "2-core host fits (README, \"Planner calibration\"): the host was busy, or its CPU "
-        "differs; check the figures before planning with them"]
+        "2-core host fits (docs/planner.md, \"Planner calibration\"): the host was busy, or "
+        "its CPU differs; check the figures before planning with them"]
     # calibrate() says both, through its progress function, around the measurement
     from epl.planner import calibration
     monkeypatch.setattr(calibration, "calibrate_cpu_profile",
