@@ -80,14 +80,8 @@ state (`SplitRecord`): the sharded variables, the dispatch slices and combine
 concats the replicate pass rewires, the replaced ops, the fallbacks and the
 variables kept whole.
 
-The pass's rooms (this package): region.py (which ops and variables each split
-TaskGraph rewrites), layouts.py (the layouts and the SplitRecord), rules.py (the
-rule registry), rewriter.py (the walk over one region, its fallbacks and the
-warnings), and one module per family of rules: matmul.py (MatMul, the expert
-BatchMatMul), einsum.py (Einsum), elementwise.py (unary and binary elementwise
-ops, BiasAdd, Reshape, L2Loss), embedding.py (GatherV2, ResourceGather) and
-softmax.py (Softmax, LogSoftmax, the softmax cross-entropies). This module is
-the pass itself; importing it registers every rule.
+This module is the pass itself (SplitPass); its parts are the other modules of
+epl/passes/split/ (listed in its __init__.py). Importing it registers every rule.
 """
 from __future__ import annotations
 
