@@ -3,7 +3,7 @@
 Each layer is ordinary tf.compat.v1 graph code (variables from
 `tf.compat.v1.get_variable`, so variable scopes, reuse and checkpoints work as
 usual) built only from op types the split pass has rules for
-(epl/passes/split/split.py). Outside `epl.split` they are plain layers; inside
+(epl/passes/split/, one module per family of rules). Outside `epl.split` they are plain layers; inside
 `epl.split(k)` the split pass shards them:
 - `dense`: the kernel column-split (output sharded) when the input is full, or
   row-split (partial sums, one all-reduce) when the input is the output of a

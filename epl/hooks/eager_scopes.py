@@ -74,7 +74,7 @@ def register(record, spec: StrategySpec) -> None:
 def _warn_split_on_one_device(spec: StrategySpec) -> None:
     """Warn (SplitFallbackWarning, and the "epl" logger) that a split TaskGraph of one
     device splits nothing: its variables stay whole on that device (EPL said nothing)."""
-    from epl.passes.split.split import SplitFallbackWarning
+    from epl.passes.split.rewriter import SplitFallbackWarning
 
     message = (f"{spec.describe()} spans one device, so nothing under it is split: its "
                "variables (expert weights, a classifier) stay whole on one device. Give "

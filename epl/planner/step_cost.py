@@ -291,7 +291,7 @@ MOE_CHUNK_CHOICES = (1, 2, 4, 8)
 #: Share of the expert all-to-all's bytes the chunked dispatch pipelines: of
 #: a split layer's four exchanges per step (dispatch and combine, forward and
 #: backward) the dispatch and its gradient, half the bytes.  The combine
-#: stays one exchange (epl/passes/split/split.py, "chunked dispatch").
+#: stays one exchange (epl/passes/split/rewriter.py, `Rewriter.slice_chunks`).
 CHUNKED_ALLTOALL_SHARE = 0.5
 #: Share of the expert compute the chunked dispatch overlaps: the op that
 #: reads the dispatched tokens (the first of an expert FFN's two matmuls,

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import epl
 from epl.errors import ConfigError, ScopeError
-from epl.passes.split.split import SplitFallbackWarning
+from epl.passes.split.rewriter import SplitFallbackWarning
 
 
 def test_nested_scopes_raise_a_runtime_error_as_in_epl():

@@ -41,8 +41,8 @@ def epl_records():
 def test_every_module_logs_under_epl():
     """Every module is inside the package, so logging.getLogger(__name__) is under "epl"."""
     from epl.passes import amp
-    from epl.passes.split import split
-    assert amp._LOG.name == "epl.passes.amp" and split._LOG.name == "epl.passes.split.split"
+    from epl.passes.split import rewriter
+    assert amp._LOG.name == "epl.passes.amp" and rewriter._LOG.name == "epl.passes.split.rewriter"
     root = logging.getLogger("epl")
     assert amp._LOG.parent in (root, logging.getLogger("epl.passes"))
 

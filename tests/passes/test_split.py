@@ -21,7 +21,7 @@ import epl.layers as layers
 from epl.checkpoint.sharded_variable import full_values, shards_of
 from epl import env
 from epl.hooks.record import record_of
-from epl.passes.split.split import SplitFallbackWarning
+from epl.passes.split.rewriter import SplitFallbackWarning
 from paths import EXAMPLES  # noqa: E402
 
 B = 8

@@ -23,7 +23,7 @@ import tensorflow as tf
 import epl
 from epl import env
 from epl.hooks.record import record_of
-from epl.passes.split.split import SplitFallbackWarning, SplitUnshardedVariableWarning
+from epl.passes.split.rewriter import SplitFallbackWarning, SplitUnshardedVariableWarning
 from split_oracle import assert_matches_single_device
 
 SEQ, MODEL, HIDDEN, EXPERTS, CAPACITY = 8, 8, 16, 8, 2
