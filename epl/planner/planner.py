@@ -124,8 +124,10 @@ Where the code is
 - `epl.planner.results`: PlanOptions, DeviceLoad, Alternative.
 - `epl.planner.step_cost`: the cost of one step on one device (compute,
   memory, all-reduce and all-to-all terms).
-- `epl.planner.search`: the alternatives, `plan_cluster`, the choice,
-  ClusterPlan, and the message when nothing fits.
+- `epl.planner.data_parallel`: the data-parallel alternatives (each
+  device's state, expert placements, batch shares and loads).
+- `epl.planner.search`: the pipeline alternative, `plan_cluster`, the
+  choice, ClusterPlan, and the message when nothing fits.
 - `epl.planner.explain`: the report text and JSON of a ClusterPlan.
 - `epl.planner.local`: the runtime bridge (`local_*`, used by
   epl/parallel.py).

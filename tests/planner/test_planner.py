@@ -480,7 +480,7 @@ def test_experts_without_work_of_their_own_are_placed_by_whole_examples():
 
 
 def test_expert_placements_run_from_even_to_proportional():
-    from epl.planner.search import _placement_path
+    from epl.planner.data_parallel import _placement_path
     path = _placement_path([2, 2, 2, 2], [3.0, 3.0, 1.0, 1.0])
     assert path[0] == [2, 2, 2, 2]
     assert all(sum(p) == 8 for p in path)
@@ -491,7 +491,7 @@ def test_expert_placements_run_from_even_to_proportional():
 
 
 def test_batches_tried_run_from_balanced_to_even_and_to_the_experts():
-    from epl.planner.search import _blended_batches
+    from epl.planner.data_parallel import _blended_batches
     batches = _blended_batches(16, [12, 4], [1, 3])
     assert batches[0] == [12, 4]                 # the balanced one first
     assert [8, 8] in batches and [4, 12] in batches  # even; follows experts
