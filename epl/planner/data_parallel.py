@@ -200,9 +200,9 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
     if balanced:
         caps = [1.0 / _per_example_time(ctx, d, totals) for d in reps]
         busy = [ctx.update_time(d, state.update_bytes) for d in reps]
-        limits = balance._unit_limits([fixed] * len(reps),
-                                      [totals.act] * len(reps),
-                                      [ctx.usable(d) for d in reps])
+        limits = balance.unit_limits([fixed] * len(reps),
+                                     [totals.act] * len(reps),
+                                     [ctx.usable(d) for d in reps])
         parts = balance.grouped_proportional_shares(
             ctx.global_batch, caps, members, 0, busy)
         if any(size > limit for group, limit in zip(parts, limits)

@@ -198,7 +198,7 @@ def local_layout(view: Any, cluster: Any, config: Any) -> LocalLayout | None:
     checkpointing nor ZeRO; the runtime alternative
     (`runtime_alternative_name`) gives each replica's batch and, for a
     pipeline, which device runs each stage of each pipeline (the order and
-    grouping the dry run reports, `balance.stage_device_order` over the
+    grouping the dry run reports, `stage_cuts.stage_device_order` over the
     whole worker).  So `epl-plan` and the real run cannot disagree, but for
     one example given to each replica the search leaves without any
     (`_at_least_one_each`: every replica of the layout draws a batch).

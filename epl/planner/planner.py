@@ -131,7 +131,8 @@ Where the code is
 - `epl.planner.explain`: the report text and JSON of a ClusterPlan.
 - `epl.planner.local`: the runtime bridge (`local_*`, used by
   epl/parallel.py).
-- `epl.planner.balance`: shares, shards and stage cuts over plain numbers.
+- `epl.planner.balance`: shares and shards over plain numbers;
+  `epl.planner.stage_cuts`: pipeline stage cuts over plain numbers.
 This module re-exports the names callers import from `epl.planner.planner`.
 """
 from __future__ import annotations

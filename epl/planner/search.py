@@ -6,7 +6,8 @@ even and balanced, with gradient checkpointing and ZeRO, evaluated by
 simplest feasible one within `CHOICE_TOLERANCE` of the fastest, and
 returns a `ClusterPlan`; when nothing fits, the ClusterError says why and
 what would help (each remedy checked by re-planning).  Costs come from
-`epl.planner.step_cost`, shares and cuts from `epl.planner.balance`, the
+`epl.planner.step_cost`, shares from `epl.planner.balance`, stage cuts
+from `epl.planner.stage_cuts`, the
 text from `epl.planner.explain`.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
-from epl.planner import balance
+from epl.planner import balance, stage_cuts
 from epl.planner import roofline as cm
 from epl.planner.balance import gb
 from epl.planner.data_parallel import data_parallel_alternative
@@ -93,7 +94,7 @@ def _pipeline(ctx: _Context, stages: int, checkpointing: bool
                            pipeline_stages=stages)
     replicas = n // stages
     micro = ctx.options.num_micro_batch
-    order = balance.stage_device_order(
+    order = stage_cuts.stage_device_order(
         [ctx.usable(d) for d in devices],
         [1.0 / _per_example_time(ctx, d, _totals(layers, False))
          for d in devices])
@@ -141,14 +142,14 @@ def _stage_inflight(stages: int, micro: int) -> list[float]:
 
 def _cut_pipeline(ctx: _Context, group: list[ClusterDevice],
                   per_layer: list[_Totals], micro_batch: int
-                  ) -> balance.StageCuts:
+                  ) -> stage_cuts.StageCuts:
     """Stage cuts of one pipeline for micro-batches of `micro_batch`."""
     stages = len(group)
     rates = [sum(t.flops for t in per_layer) /
              _per_example_time(ctx, d, _sum_totals(per_layer))
              for d in group]
     state = 0 if ctx.options.offload else 2 + ctx.slots
-    return balance.balance_stages(
+    return stage_cuts.balance_stages(
         [t.flops for t in per_layer], rates,
         [ctx.usable(d) for d in group],
         [t.params * state for t in per_layer],

@@ -9,7 +9,8 @@ from epl import env
 from epl.errors import ClusterError
 from epl.planner import balance
 from epl.planner.balance import (balance_batch, balance_shards,
-                                 balance_stages, proportional_shares)
+                                 proportional_shares)
+from epl.planner.stage_cuts import balance_stages
 from epl.planner.planner import (LayerSpec, ModelSpec, PlanOptions,
                                  model_from_graph, plan_cluster,
                                  replica_weights_for_local_devices)
