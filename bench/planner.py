@@ -143,7 +143,7 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
     units = model.split_units
     if len(kinds) != 2 or not units:
         return None
-    totals = step_cost._totals(model.layers, False)
+    totals = step_cost.layer_totals(model.layers, False)
     first = [i for i, d in enumerate(ctx.devices)
              if d.profile.name == kinds[0]]
     second = [i for i in range(len(ctx.devices)) if i not in first]

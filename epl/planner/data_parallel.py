@@ -19,9 +19,9 @@ from epl.errors import ClusterError
 from epl.planner import balance
 from epl.planner.devices import ClusterDevice, DeviceLayout, runs_count
 from epl.planner.results import Alternative, DeviceLoad, memory_reason
-from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
-                                   _allreduce_time, _per_example_time,
-                                   _ring_link, _slowest_link, _totals,
+from epl.planner.step_cost import (Context, Totals, alltoall_time,
+                                   allreduce_time, per_example_time,
+                                   ring_link, slowest_link, layer_totals,
                                    exposed_alltoall_time, input_time)
 
 
@@ -38,7 +38,7 @@ class _DeviceState:
     offload_traffic: float = 0.0  # bytes to and from the host per step
 
 
-def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
+def _device_state(ctx: Context, totals: Totals, units: int, n: int,
                   zero: bool) -> _DeviceState:
     """Fixed bytes of one data-parallel device holding `units` split units."""
     share = units / ctx.model.split_units if ctx.model.split_units else 0.0
@@ -63,14 +63,14 @@ def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
 MAX_PLACEMENTS = 17
 
 
-def _barriers(ctx: _Context, totals: _Totals) -> bool:
+def _barriers(ctx: Context, totals: Totals) -> bool:
     """Whether the devices meet at an expert all-to-all in every split
     layer (then the replicated and the expert work are balanced apart)."""
     return bool(totals.alltoall) and len(ctx.devices) > 1 and \
         ctx.model.split_units > 0
 
 
-def _split_time(ctx: _Context, device: ClusterDevice, totals: _Totals
+def _split_time(ctx: Context, device: ClusterDevice, totals: Totals
                 ) -> float:
     """Seconds of one example's split-layer work (all experts) on `device`;
     0 when the model has none."""
@@ -99,7 +99,7 @@ def _placement_path(start: list[int], speed: list[float]) -> list[list[int]]:
     return path
 
 
-def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
+def _split_placements(ctx: Context, totals: Totals, caps: list[float],
                       balanced: bool, zero: bool) -> list[list[int]]:
     """Candidate split units (experts) per device, each device at least one.
 
@@ -114,7 +114,7 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
 
     Why not just the proportional one: the experts a device holds set how
     many tokens its host receives from other hosts, and its batch how many
-    it sends (`_alltoall_time`); when the two shares differ, the hosts
+    it sends (`alltoall_time`); when the two shares differ, the hosts
     exchange more than they need to.  Whole experts per device make them
     differ: 32 experts over 8 + 8 devices 1.95x apart round to 3 and 1 (24
     of 32 on the fast host for a 66% share).  A less skewed placement can
@@ -136,7 +136,7 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
     if _barriers(ctx, totals) and all(split):
         speed = [1.0 / seconds for seconds in split]
     else:  # no barriers, or experts without work of their own
-        speed = [1.0 / (_per_example_time(ctx, d, totals) + seconds)
+        speed = [1.0 / (per_example_time(ctx, d, totals) + seconds)
                  for d, seconds in zip(ctx.devices, split)]
     path = _placement_path(even, speed)
     if len(path) > MAX_PLACEMENTS:
@@ -158,7 +158,7 @@ def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
     return path + [fitted] if fitted not in path else path
 
 
-def data_parallel_alternative(ctx: _Context, name: str, balanced: bool,
+def data_parallel_alternative(ctx: Context, name: str, balanced: bool,
                    checkpointing: bool, zero: bool) -> Alternative:
     """Evaluate one data-parallel alternative: per group of identical
     devices where that gives the per-device answer (`_grouped_data_parallel`),
@@ -171,7 +171,7 @@ def data_parallel_alternative(ctx: _Context, name: str, balanced: bool,
 
 
 
-def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
+def _grouped_data_parallel(ctx: Context, name: str, balanced: bool,
                            checkpointing: bool, zero: bool
                            ) -> Alternative | None:
     """A data-parallel alternative computed once per DeviceClass, or None
@@ -191,14 +191,14 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
         return None
     layout, n = ctx.devices, len(ctx.devices)
     classes = layout.classes
-    totals = _totals(ctx.model.layers, checkpointing)
+    totals = layer_totals(ctx.model.layers, checkpointing)
     reps = [c.representative for c in classes]
     state = _device_state(ctx, totals, 0, n, zero)
     fixed = state.parameters + state.gradients + state.optimizer + \
         state.activations
     members = [c.runs for c in classes]
     if balanced:
-        caps = [1.0 / _per_example_time(ctx, d, totals) for d in reps]
+        caps = [1.0 / per_example_time(ctx, d, totals) for d in reps]
         busy = [ctx.update_time(d, state.update_bytes) for d in reps]
         limits = balance.unit_limits([fixed] * len(reps),
                                      [totals.act] * len(reps),
@@ -211,7 +211,7 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
     else:
         parts = balance.grouped_proportional_shares(
             ctx.global_batch, [1.0] * len(reps), members)
-    comm = _allreduce_time(reps, totals.params, _ring_link(ctx), n) + \
+    comm = allreduce_time(reps, totals.params, ring_link(ctx), n) + \
         state.offload_traffic / ctx.options.host_link_bandwidth + \
         input_time(reps, n, ctx.global_batch)
     rows = []
@@ -237,7 +237,7 @@ def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
                        zero, layout=layout)
 
 
-def _per_device_data_parallel(ctx: _Context, name: str, balanced: bool,
+def _per_device_data_parallel(ctx: Context, name: str, balanced: bool,
                               checkpointing: bool, zero: bool
                               ) -> Alternative:
     """Evaluate one data-parallel alternative, device by device.
@@ -251,10 +251,10 @@ def _per_device_data_parallel(ctx: _Context, name: str, balanced: bool,
     tie).
     """
     devices, n = ctx.devices, len(ctx.devices)
-    totals = _totals(ctx.model.layers, checkpointing)
+    totals = layer_totals(ctx.model.layers, checkpointing)
     # Capability is compute speed: the all-to-all is one exchange every
-    # device waits for (`_alltoall_time`), not a per-device cost to balance.
-    caps = [1.0 / _per_example_time(ctx, d, totals) for d in devices]
+    # device waits for (`alltoall_time`), not a per-device cost to balance.
+    caps = [1.0 / per_example_time(ctx, d, totals) for d in devices]
     try:
         placements = _split_placements(ctx, totals, caps, balanced, zero)
     except ClusterError as err:
@@ -318,7 +318,7 @@ def _blended_batches(global_batch: int, balanced: list[int],
     return out
 
 
-def _busy_time(ctx: _Context, device: ClusterDevice, totals: _Totals,
+def _busy_time(ctx: Context, device: ClusterDevice, totals: Totals,
                units: int, state: _DeviceState, barriers: bool) -> float:
     """Seconds `device` computes whatever its batch, which its batch share
     must make up for: its optimizer update and, unless the all-to-all
@@ -333,7 +333,7 @@ def _busy_time(ctx: _Context, device: ClusterDevice, totals: _Totals,
                     tokens * totals.split_bytes) + update
 
 
-def _batch_sizes(ctx: _Context, devices: Sequence[ClusterDevice],
+def _batch_sizes(ctx: Context, devices: Sequence[ClusterDevice],
                  caps: list[float], states: list[_DeviceState],
                  act: float, balanced: bool, busy: list[float]
                  ) -> list[int]:
@@ -359,7 +359,7 @@ def _batch_sizes(ctx: _Context, devices: Sequence[ClusterDevice],
             g, [max(r, 1e-9 * max(room)) for r in room])
 
 
-def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
+def _dp_loads(ctx: Context, totals: Totals, units: list[int],
               states: list[_DeviceState], batch: list[int]
               ) -> list[DeviceLoad]:
     """Per-device loads of a data-parallel assignment.
@@ -380,8 +380,8 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
     (`step_cost.exposed_alltoall_time`).
     """
     devices = ctx.devices
-    bandwidth, _ = _slowest_link(devices)
-    allreduce = _allreduce_time(devices, totals.params, bandwidth) + \
+    bandwidth, _ = slowest_link(devices)
+    allreduce = allreduce_time(devices, totals.params, bandwidth) + \
         input_time(devices, len(devices), ctx.global_batch)
     dense, expert = [], []
     for device, u, b in zip(devices, units, batch):
@@ -392,7 +392,7 @@ def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
         expert.append(ctx.time(device, tokens * totals.split_flops,
                                tokens * totals.split_bytes))
     alltoall, chunks = exposed_alltoall_time(
-        ctx, totals, _alltoall_time(ctx, totals, units, batch), max(expert),
+        ctx, totals, alltoall_time(ctx, totals, units, batch), max(expert),
         ctx.options.moe_chunks)
     barrier = _barriers(ctx, totals)
     loads = []

@@ -66,8 +66,8 @@ The model of one device
   GPU table.
 - Communication: a ring all-reduce of the replicated gradients over the
   data-parallel devices (`cost_model.comm_time`) at the bandwidth of the
-  link that bounds the ring (`_slowest_link`); the expert all-to-all
-  (dispatch and combine, forward and backward; `_alltoall_time`): each
+  link that bounds the ring (`slowest_link`); the expert all-to-all
+  (dispatch and combine, forward and backward; `alltoall_time`): each
   device's tokens go to every device in proportion to its experts, within
   the host over each device's intra-node link, to other hosts through the
   host's network; one exchange that every device waits for, as long as its

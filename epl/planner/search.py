@@ -27,9 +27,9 @@ from epl.planner.explain import explain_text, plan_dict
 from epl.planner.model_spec import ModelSpec
 from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
                                  PlanOptions, memory_reason)
-from epl.planner.step_cost import (_Context, _Totals, _allreduce_time,
-                                   _per_example_time, input_time,
-                                   merge_op_counts, _slowest_link, _totals)
+from epl.planner.step_cost import (Context, Totals, allreduce_time,
+                                   per_example_time, input_time,
+                                   merge_op_counts, slowest_link, layer_totals)
 from epl.planner.profiles import (DeviceProfile, HostSpec, normalize_dtype, parse_cluster,
                           replica_speedup)
 
@@ -81,7 +81,7 @@ class ClusterPlan:
 # Pipeline alternative.
 # --------------------------------------------------------------------------
 
-def _pipeline(ctx: _Context, stages: int, checkpointing: bool
+def _pipeline(ctx: Context, stages: int, checkpointing: bool
               ) -> Alternative:
     """Evaluate a pipeline of `stages` stages, replicated over the rest."""
     name = f"pipeline, {stages} stages" + (
@@ -96,11 +96,11 @@ def _pipeline(ctx: _Context, stages: int, checkpointing: bool
     micro = ctx.options.num_micro_batch
     order = stage_cuts.stage_device_order(
         [ctx.usable(d) for d in devices],
-        [1.0 / _per_example_time(ctx, d, _totals(layers, False))
+        [1.0 / per_example_time(ctx, d, layer_totals(layers, False))
          for d in devices])
     groups = [[devices[order[s * replicas + r]] for s in range(stages)]
               for r in range(replicas)]
-    per_layer = [_totals([l], checkpointing) for l in layers]
+    per_layer = [layer_totals([l], checkpointing) for l in layers]
     even_mb = max(math.ceil(ctx.global_batch / replicas / micro), 1)
     cuts, reason = [], ""
     for group in groups:
@@ -121,7 +121,7 @@ def _pipeline(ctx: _Context, stages: int, checkpointing: bool
                        pipeline_stages=stages, num_micro_batch=micro)
 
 
-def _pipeline_precheck(ctx: _Context, stages: int) -> str:
+def _pipeline_precheck(ctx: Context, stages: int) -> str:
     """Why a pipeline of `stages` cannot be laid out ("" if it can)."""
     n, layers = len(ctx.devices), len(ctx.model.layers)
     if ctx.model.split_units:
@@ -140,13 +140,13 @@ def _stage_inflight(stages: int, micro: int) -> list[float]:
     return [float(min(stages - s, micro)) for s in range(stages)]
 
 
-def _cut_pipeline(ctx: _Context, group: list[ClusterDevice],
-                  per_layer: list[_Totals], micro_batch: int
+def _cut_pipeline(ctx: Context, group: list[ClusterDevice],
+                  per_layer: list[Totals], micro_batch: int
                   ) -> stage_cuts.StageCuts:
     """Stage cuts of one pipeline for micro-batches of `micro_batch`."""
     stages = len(group)
     rates = [sum(t.flops for t in per_layer) /
-             _per_example_time(ctx, d, _sum_totals(per_layer))
+             per_example_time(ctx, d, _sum_totals(per_layer))
              for d in group]
     state = 0 if ctx.options.offload else 2 + ctx.slots
     return stage_cuts.balance_stages(
@@ -158,9 +158,9 @@ def _cut_pipeline(ctx: _Context, group: list[ClusterDevice],
         [d.profile.name for d in group], order_by_memory=False)
 
 
-def _sum_totals(per_layer: list[_Totals]) -> _Totals:
+def _sum_totals(per_layer: list[Totals]) -> Totals:
     """Totals of several layers' totals (no split parts in pipelines)."""
-    return _Totals(
+    return Totals(
         flops=sum(t.flops for t in per_layer),
         bytes=sum(t.bytes for t in per_layer),
         act=sum(t.act for t in per_layer),
@@ -171,7 +171,7 @@ def _sum_totals(per_layer: list[_Totals]) -> _Totals:
         op_counts=merge_op_counts(t.op_counts for t in per_layer))
 
 
-def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
+def _pipeline_batches(ctx: Context, groups, cuts, per_layer) -> list[int]:
     """Batch per pipeline, proportional to its throughput."""
     caps = []
     for group, cut in zip(groups, cuts):
@@ -182,11 +182,11 @@ def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
     return balance.proportional_shares(ctx.global_batch, caps)
 
 
-def _stage_rate(ctx: _Context, device: ClusterDevice,
-                per_layer: list[_Totals]) -> float:
+def _stage_rate(ctx: Context, device: ClusterDevice,
+                per_layer: list[Totals]) -> float:
     """Effective FLOP/s of `device` on this model."""
     whole = _sum_totals(per_layer)
-    return whole.flops / _per_example_time(ctx, device, whole)
+    return whole.flops / per_example_time(ctx, device, whole)
 
 
 def _micro_batches_time(groups, per_mb: list[list[float]], r: int,
@@ -217,7 +217,7 @@ def _micro_batches_time(groups, per_mb: list[list[float]], r: int,
     return max(work, slots * share)
 
 
-def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
+def _pipeline_loads(ctx: Context, groups, cuts, per_layer, batch
                     ) -> list[DeviceLoad]:
     """Per-device loads of a pipeline plan, in device index order."""
     micro, stages = ctx.options.num_micro_batch, len(groups[0])
@@ -235,14 +235,14 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
     loads = []
     for s in range(stages):
         members = [group[s] for group in groups]
-        bandwidth, _ = _slowest_link(members)
+        bandwidth, _ = slowest_link(members)
         for r, (group, cut) in enumerate(zip(groups, cuts)):
             part = totals[r][s]
             mb = batch[r] / micro
             compute = micro_batches[r] + \
                 ctx.update_time(group[s], part.params) + \
                 ctx.session_time(group[s])
-            comm = _allreduce_time(members, part.params, bandwidth) + reads
+            comm = allreduce_time(members, part.params, bandwidth) + reads
             host = part.params * (2 + ctx.slots) if ctx.options.offload \
                 else 0.0
             if ctx.options.offload:
@@ -267,7 +267,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
 # plan_cluster.
 # --------------------------------------------------------------------------
 
-def _as_model(model: Any, amp_dtype: Any = None) -> ModelSpec:
+def as_model(model: Any, amp_dtype: Any = None) -> ModelSpec:
     """`model` itself, or the ModelSpec of a graph or TrainingView.
 
     Only a graph needs TensorFlow, so `graph_model` (which imports it) is
@@ -293,7 +293,7 @@ def _as_hosts(hosts: Sequence[HostSpec] | str,
     return hosts
 
 
-def _alternatives(ctx: _Context) -> list[Alternative]:
+def _alternatives(ctx: Context) -> list[Alternative]:
     """Every alternative the options allow, in listing order."""
     opts = ctx.options
     alts = [data_parallel_alternative(ctx, "data-parallel, even split", False, False,
@@ -321,7 +321,7 @@ def _alternatives(ctx: _Context) -> list[Alternative]:
 
 
 def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
-             global_batch: int, options: PlanOptions) -> _Context:
+             global_batch: int, options: PlanOptions) -> Context:
     """Validated evaluation context."""
     return _device_context(model, DeviceLayout(hosts), optimizer,
                            global_batch, options)
@@ -329,18 +329,18 @@ def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
 
 def _device_context(model: ModelSpec, devices: Sequence[ClusterDevice],
                     optimizer: str, global_batch: int, options: PlanOptions
-                    ) -> _Context:
+                    ) -> Context:
     """Validated evaluation context over `devices` (a DeviceLayout, or a
     list of ClusterDevices)."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) \
             or global_batch < 1:
         raise ConfigError(f"the global batch must be a positive int, got "
                           f"{global_batch!r}")
-    return _Context(model=model, devices=devices,
-                    optimizer=optimizer,
-                    slots=cm.optimizer_slots(optimizer),
-                    global_batch=global_batch, options=options,
-                    dtype=normalize_dtype(options.compute_dtype or
+    return Context(model=model, devices=devices,
+                   optimizer=optimizer,
+                   slots=cm.optimizer_slots(optimizer),
+                   global_batch=global_batch, options=options,
+                   dtype=normalize_dtype(options.compute_dtype or
                                              model.compute_dtype))
 
 
@@ -376,7 +376,7 @@ def plan_cluster(model: Any, hosts: Sequence[HostSpec] | str,
         ConfigError: bad optimizer, batch or options.
     """
     options = options or PlanOptions()
-    spec = _as_model(model, amp_dtype)
+    spec = as_model(model, amp_dtype)
     optimizer_given = optimizer or spec.optimizer
     cluster = _as_hosts(hosts, overrides)
     n = sum(h.devices for h in cluster)
@@ -407,7 +407,7 @@ def plan_local_devices(model: Any, profiles: Sequence[DeviceProfile],
     runtime follows (`epl.planner.local`).
     """
     options = options or PlanOptions()
-    spec = _as_model(model)
+    spec = as_model(model)
     profiles = list(profiles)
     if not profiles:
         raise ClusterError("plan_local_devices needs at least one device")
@@ -446,13 +446,13 @@ def _closest(alts: Sequence[Alternative]) -> Alternative | None:
         for l in a.loads), alts.index(a)))
 
 
-def _fits_with(ctx: _Context, **changes: Any) -> bool:
+def _fits_with(ctx: Context, **changes: Any) -> bool:
     """Whether some alternative fits after `changes` to the context."""
     trial = dataclasses.replace(ctx, **changes)
     return any(a.feasible for a in _alternatives(trial))
 
 
-def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
+def _remedies(ctx: Context, closest: Alternative) -> list[str]:
     """What would make the model fit, each checked by re-planning."""
     out = []
     if not ctx.options.offload and _fits_with(
@@ -488,7 +488,7 @@ def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
     return out
 
 
-def _more_devices(ctx: _Context) -> str:
+def _more_devices(ctx: Context) -> str:
     """"k times the devices would fit" when some small multiple does."""
     hosts = list(ctx.devices.hosts) if isinstance(ctx.devices, DeviceLayout) \
         else _hosts_of(ctx.devices)
@@ -516,7 +516,7 @@ def _hosts_of(devices: Sequence[ClusterDevice]) -> list[HostSpec]:
             for _, members in sorted(counts.items())]
 
 
-def _smaller_batch(ctx: _Context) -> str:
+def _smaller_batch(ctx: Context) -> str:
     """"a global batch of at most B fits" when a smaller batch does."""
     if ctx.global_batch <= 1 or not _fits_with(ctx, global_batch=1):
         return ""
@@ -530,7 +530,7 @@ def _smaller_batch(ctx: _Context) -> str:
     return f"a smaller global batch: at most {low} examples fit"
 
 
-def _nothing_fits(ctx: _Context, alts: Sequence[Alternative]) -> str:
+def _nothing_fits(ctx: Context, alts: Sequence[Alternative]) -> str:
     """The ClusterError message when no alternative fits."""
     lines = [f"model {ctx.model.name!r} does not fit on this cluster under "
              f"any plan (global batch {ctx.global_batch}, optimizer "

@@ -384,14 +384,14 @@ def test_alltoall_is_bound_by_the_slowest_host_network():
 
 
 def _alltoall(cluster, units, batch, alltoall_mb=64.0):
-    """_alltoall_time of one explicit placement and batch."""
+    """alltoall_time of one explicit placement and batch."""
     from epl.planner.search import _context
-    from epl.planner.step_cost import _alltoall_time, _totals
+    from epl.planner.step_cost import alltoall_time, layer_totals
     from epl.planner.profiles import parse_cluster
     model = _moe_model(alltoall_mb)
     ctx = _context(model, parse_cluster(cluster), "sgd", sum(batch),
                    PlanOptions())
-    return _alltoall_time(ctx, _totals(model.layers, False), units, batch)
+    return alltoall_time(ctx, layer_totals(model.layers, False), units, batch)
 
 
 def test_alltoall_follows_the_expert_placement():
@@ -815,13 +815,13 @@ def test_pipelined_time_overlaps_comparable_comm_and_compute():
 def _chunk_ctx(cluster, latency=0.0):
     import dataclasses as dc
     from epl.planner.search import _context
-    from epl.planner.step_cost import _totals
+    from epl.planner.step_cost import layer_totals
     from epl.planner.profiles import parse_cluster
     model = _moe_model()
     ctx = _context(model, parse_cluster(cluster), "sgd", 64, PlanOptions())
     ctx.devices = [dc.replace(d, profile=dc.replace(
         d.profile, collective_latency_s=latency)) for d in ctx.devices]
-    return ctx, _totals(model.layers, False)
+    return ctx, layer_totals(model.layers, False)
 
 
 def test_chunking_helps_when_comm_and_compute_are_comparable():
