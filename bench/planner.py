@@ -61,7 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from epl.errors import ClusterError  # noqa: E402
 from epl.planner import balance  # noqa: E402
-from epl.planner import search, step_cost  # noqa: E402
+from epl.planner import data_parallel, search, step_cost  # noqa: E402
+from epl.planner.results import memory_reason  # noqa: E402
 from epl.planner.planner import PlanOptions, plan_cluster  # noqa: E402
 from epl.planner.profiles import parse_cluster  # noqa: E402
 from epl.tools.plan import builtin_model  # noqa: E402
@@ -142,7 +143,7 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
     units = model.split_units
     if len(kinds) != 2 or not units:
         return None
-    totals = step_cost._totals(model.layers, False)
+    totals = step_cost.layer_totals(model.layers, False)
     first = [i for i, d in enumerate(ctx.devices)
              if d.profile.name == kinds[0]]
     second = [i for i in range(len(ctx.devices)) if i not in first]
@@ -153,8 +154,8 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
             even = balance.proportional_shares(total, [1.0] * len(group))
             for i, u in zip(group, even):
                 placement[i] = u
-        states = [search._device_state(ctx, totals, u, len(placement),
-                                            False) for u in placement]
+        states = [data_parallel._device_state(ctx, totals, u, len(placement),
+                                                   False) for u in placement]
         for each in range(batch // len(first) + 1):
             sizes = [0] * len(ctx.devices)
             for i in first:
@@ -163,9 +164,9 @@ def exhaustive_best(cluster: str, model_name: str, per_device: int
             even = balance.proportional_shares(rest, [1.0] * len(second))
             for i, b in zip(second, even):
                 sizes[i] = b
-            loads = search._dp_loads(ctx, totals, placement, states,
-                                          sizes)
-            if search._memory_reason(loads):
+            loads = data_parallel._dp_loads(ctx, totals, placement, states,
+                                                 sizes)
+            if memory_reason(loads):
                 continue
             step = max(load.step_s for load in loads)
             best = step if best is None else min(best, step)

@@ -35,7 +35,7 @@ def _cell(text: str) -> str:
 
 def config_markdown() -> str:
     """docs/config.md: every key of `epl.config`'s schema, one table per section."""
-    from epl import config
+    from epl import config, config_schema
 
     lines = [GENERATED, "", "# Configuration reference", "",
              "`epl.Config({\"section.key\": value})` takes the keys below; `epl.init(config)` "
@@ -75,7 +75,7 @@ def config_markdown() -> str:
                   "| key | type | default | valid values | environment variable | what it does |",
                   "|---|---|---|---|---|---|"]
         for spec in specs:
-            default = repr(config._thaw(spec.default))
+            default = repr(config_schema.thaw_value(spec.default))
             lines.append("| " + " | ".join([
                 f"`{spec.key}`", spec.type, _cell(f"`{default}`"), _cell(spec.describe_valid()),
                 f"`{spec.env_var}`", _cell(spec.doc)]) + " |")

@@ -45,7 +45,7 @@ from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.graph_view import TrainingView, input_args
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.planner.cost_model import AMP_LOW_PRECISION_TYPES
+from epl.planner.step_memory import AMP_LOW_PRECISION_TYPES
 from epl.planner.plan import Plan
 
 # the one list of op types AMP lowers, shared with the planner's memory model

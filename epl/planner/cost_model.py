@@ -1,4 +1,4 @@
-"""Static cost model of a tf.compat.v1 graph: FLOPs, bytes and memory.
+"""Static cost model of a tf.compat.v1 graph: FLOPs and bytes.
 
 Everything here reads op types, attributes and static shapes only -- never
 op names -- and runs nothing.
@@ -8,8 +8,10 @@ op names -- and runs nothing.
 - `graph_cost(graph, group_fn)` sums op costs per group (for example per
   TaskGraph, or per TaskGraph and phase) and adds the bytes of the variables
   each group's ops read.
-- `memory_estimate(...)` estimates per group the bytes of parameters,
-  gradients, optimizer slots and activations kept for the backward pass.
+- `memory_estimate(...)`, the bytes a training step holds per group
+  (parameters, gradients, optimizer slots, activations), is in
+  `epl.planner.step_memory`, which uses this module's static sizes
+  (`Sizer`), variable bytes, phases and group functions.
 - `predict_time`, `op_overhead_time` and `comm_time` turn costs into
   seconds on a `epl.planner.profiles.DeviceProfile` (roofline, per-op executor
   overhead and ring all-reduce models);
@@ -66,7 +68,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from epl.errors import ConfigError
 from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 # The TF-free half (costs as numbers, roofline time, ring all-reduce,
 # optimizer slots), re-exported: `epl.planner.roofline`.
@@ -111,31 +112,6 @@ class OpCost:
         return self.bytes_read + self.bytes_written
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """Estimated bytes one group holds during a training step.
-
-    Attributes:
-        parameters: bytes of the trainable variables in the group.
-        gradients: bytes of their (dense) gradients.
-        optimizer_slots: bytes of the optimizer's slot variables.
-        activations: bytes of forward tensors kept for the backward pass.
-        exact: False when a shape was unknown.
-    """
-
-    parameters: float = 0.0
-    gradients: float = 0.0
-    optimizer_slots: float = 0.0
-    activations: float = 0.0
-    exact: bool = True
-
-    @property
-    def total(self) -> float:
-        """Sum of all four parts."""
-        return (self.parameters + self.gradients + self.optimizer_slots
-                + self.activations)
-
-
 # --------------------------------------------------------------------------
 # Attributes and group functions.
 # --------------------------------------------------------------------------
@@ -173,7 +149,7 @@ def by_taskgraph_and_phase(op: tf.Operation) -> tuple[Any, str]:
     return taskgraph_of(op), phase_of(op)
 
 
-def _single_group(op: tf.Operation) -> str:
+def single_group(op: tf.Operation) -> str:
     """Group function putting every op in the group `ALL`."""
     return ALL
 
@@ -194,7 +170,7 @@ def as_graph(graph: tf.Graph | tf.compat.v1.GraphDef) -> tf.Graph:
 # Static sizes.
 # --------------------------------------------------------------------------
 
-class _Sizer:
+class Sizer:
     """Reads static shapes, remembering whether anything was unknown."""
 
     def __init__(self, unknown_dim: int | None = None) -> None:
@@ -362,7 +338,7 @@ _POOL_OPS = {"MaxPool": 0, "AvgPool": 0, "MaxPool3D": 0, "AvgPool3D": 0,
 # FLOP formulas.
 # --------------------------------------------------------------------------
 
-def _matmul_flops(op: tf.Operation, s: _Sizer) -> float:
+def _matmul_flops(op: tf.Operation, s: Sizer) -> float:
     """2*M*N*K for MatMul (transpose_a/b honoured)."""
     a_dims = s.dims(op.inputs[0])
     if a_dims is None:
@@ -371,7 +347,7 @@ def _matmul_flops(op: tf.Operation, s: _Sizer) -> float:
     return 2.0 * s.elements(op.outputs[0]) * k
 
 
-def _batch_matmul_flops(op: tf.Operation, s: _Sizer) -> float:
+def _batch_matmul_flops(op: tf.Operation, s: Sizer) -> float:
     """2*batch*M*N*K for BatchMatMul/V2/V3 (adj_x/adj_y honoured)."""
     a_dims = s.dims(op.inputs[0])
     if a_dims is None:
@@ -380,7 +356,7 @@ def _batch_matmul_flops(op: tf.Operation, s: _Sizer) -> float:
     return 2.0 * s.elements(op.outputs[0]) * k
 
 
-def _conv_flops(op: tf.Operation, s: _Sizer) -> float:
+def _conv_flops(op: tf.Operation, s: Sizer) -> float:
     """2 * output positions * Cout * (Kh*Kw*Cin) for convs and their grads."""
     kind = op.type
     if kind in _CONV_FULL:
@@ -398,7 +374,7 @@ def _prod_head(filter_dims: list[int] | None) -> float:
     return 0.0 if filter_dims is None else _prod(filter_dims[:-1])
 
 
-def _depthwise_flops(op: tf.Operation, s: _Sizer) -> float:
+def _depthwise_flops(op: tf.Operation, s: Sizer) -> float:
     """2 * output elements * Kh * Kw for depthwise convs and their grads."""
     kind = _DEPTHWISE[op.type]
     if kind == "forward":
@@ -411,14 +387,14 @@ def _depthwise_flops(op: tf.Operation, s: _Sizer) -> float:
     return 2.0 * work * _prod(spatial)
 
 
-def _pool_flops(op: tf.Operation, s: _Sizer) -> float:
+def _pool_flops(op: tf.Operation, s: Sizer) -> float:
     """One FLOP per window element per output (inputs for the grads)."""
     work = s.elements(op.inputs[_POOL_OPS[op.type]]) \
         if _POOL_OPS[op.type] else s.elements(op.outputs[0])
     return work * _prod(op_attr(op, "ksize", (1,)))
 
 
-def _einsum_flops(op: tf.Operation, s: _Sizer) -> float:
+def _einsum_flops(op: tf.Operation, s: Sizer) -> float:
     """2 * product of every label's size (one FLOP per element for 1 input)."""
     equation = op_attr(op, "equation", "").replace(" ", "")
     operands = equation.split("->")[0].split(",")
@@ -448,24 +424,24 @@ def _einsum_labels(labels: str, dims: list[int]) -> dict[str, int]:
     return dict(zip(names, dims))
 
 
-def _elementwise_flops(op: tf.Operation, s: _Sizer) -> float:
+def _elementwise_flops(op: tf.Operation, s: Sizer) -> float:
     """Per-output-element FLOPs (AddN: n-1 per element)."""
     if op.type == "AddN":
         return (len(op.inputs) - 1) * s.elements(op.outputs[0])
     return ELEMENTWISE_OPS[op.type] * s.elements(op.outputs[0])
 
 
-def _reduction_flops(op: tf.Operation, s: _Sizer) -> float:
+def _reduction_flops(op: tf.Operation, s: Sizer) -> float:
     """Per-input-element FLOPs."""
     return REDUCTION_OPS[op.type] * s.elements(op.inputs[0])
 
 
-def _scatter_flops(op: tf.Operation, s: _Sizer) -> float:
+def _scatter_flops(op: tf.Operation, s: Sizer) -> float:
     """One FLOP per update element."""
     return s.elements(op.inputs[-1])
 
 
-_FLOPS: dict[str, Callable[[tf.Operation, _Sizer], float]] = {
+_FLOPS: dict[str, Callable[[tf.Operation, Sizer], float]] = {
     "MatMul": _matmul_flops, "_FusedMatMul": _matmul_flops,
     "BatchMatMul": _batch_matmul_flops, "BatchMatMulV2": _batch_matmul_flops,
     "BatchMatMulV3": _batch_matmul_flops, "Einsum": _einsum_flops,
@@ -485,23 +461,23 @@ _FLOPS.update({t: lambda op, s: 0.0 for t in DATA_MOVEMENT_OPS})
 # op_cost.
 # --------------------------------------------------------------------------
 
-def _output_bytes(op: tf.Operation, s: _Sizer) -> float:
+def _output_bytes(op: tf.Operation, s: Sizer) -> float:
     """Static bytes of all of the op's outputs."""
     return sum(s.nbytes(t) for t in op.outputs)
 
 
-def _input_bytes(op: tf.Operation, s: _Sizer) -> float:
+def _input_bytes(op: tf.Operation, s: Sizer) -> float:
     """Static bytes of all of the op's data inputs."""
     return sum(s.nbytes(t) for t in op.inputs)
 
 
-def _gather_cost(op: tf.Operation, s: _Sizer, out: float) -> OpCost:
+def _gather_cost(op: tf.Operation, s: Sizer, out: float) -> OpCost:
     """Gathered rows plus indices read, rows written, no FLOPs."""
     indices = s.nbytes(op.inputs[1])
     return OpCost(0.0, out + indices, out, out, s.exact)
 
 
-def _apply_cost(op: tf.Operation, s: _Sizer, out: float) -> OpCost:
+def _apply_cost(op: tf.Operation, s: Sizer, out: float) -> OpCost:
     """An optimizer apply op: per-element FLOPs; variable and slots r/w."""
     name = _APPLY_RE.match(op.type).group(1)
     flops_per, slots = APPLY_OPS.get(name, (4, 1))
@@ -533,7 +509,7 @@ def op_cost(op: tf.Operation, unknown_dim: int | None = None) -> OpCost:
         OpCost with FLOPs, bytes read/written and output bytes; `exact` is
         False when a shape was unknown or the op type is not modelled.
     """
-    s = _Sizer(unknown_dim)
+    s = Sizer(unknown_dim)
     if op.type in NO_COST_OPS:
         return OpCost(output_bytes=_output_bytes(op, s), exact=s.exact)
     out = _output_bytes(op, s)
@@ -560,7 +536,7 @@ def is_modelled(op_type: str) -> bool:
 # Variables.
 # --------------------------------------------------------------------------
 
-def _source_tensor(tensor: tf.Tensor) -> tf.Tensor:
+def source_tensor(tensor: tf.Tensor) -> tf.Tensor:
     """Follow alias ops (Identity, Reshape, ReadVariableOp, ...) upstream."""
     seen = set()
     while tensor.op.type in ALIAS_OPS and tensor.op.inputs and \
@@ -577,14 +553,14 @@ def variable_op(tensor: tf.Tensor) -> tf.Operation | None:
     Follows alias ops such as ReadVariableOp and Identity; None when the
     tensor does not come from a variable.
     """
-    source = _source_tensor(tensor).op
+    source = source_tensor(tensor).op
     return source if source.type in VARIABLE_OPS else None
 
 
 def variable_bytes(var_op: tf.Operation, unknown_dim: int | None = None
                    ) -> tuple[float, bool]:
     """(bytes, exact) of the variable created by `var_op` (shape x dtype)."""
-    s = _Sizer(unknown_dim)
+    s = Sizer(unknown_dim)
     dims = s.shape_dims(var_op.get_attr("shape"))
     dtype = tf.as_dtype(var_op.get_attr("dtype")).base_dtype
     return _prod(dims) * dtype.size, s.exact
@@ -641,7 +617,7 @@ def graph_cost(graph: tf.Graph | tf.compat.v1.GraphDef,
         or write (through ReadVariableOp/Identity and similar aliases).
     """
     graph = as_graph(graph)
-    group_fn = group_fn or _single_group
+    group_fn = group_fn or single_group
     groups: dict[Hashable, _Accumulator] = defaultdict(_Accumulator)
     for op in graph.get_operations():
         acc = groups[group_fn(op)]
@@ -651,181 +627,3 @@ def graph_cost(graph: tf.Graph | tf.compat.v1.GraphDef,
             if var is not None:
                 acc.variables[var.name] = var
     return {key: acc.freeze(unknown_dim) for key, acc in groups.items()}
-
-
-# --------------------------------------------------------------------------
-# memory_estimate.
-# --------------------------------------------------------------------------
-
-# AMP O1 (epl/passes/amp.py) runs these op types in low precision; their
-# gradients are products of the same kinds (plus the filter/input backprops).
-AMP_LOW_PRECISION_TYPES = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
-    "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "Einsum"})
-AMP_GRADIENT_TYPES = AMP_LOW_PRECISION_TYPES | frozenset({
-    "Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter",
-    "DepthwiseConv2dNativeBackpropInput"})
-
-
-def amp_low_precision_activations(graph: tf.Graph,
-                                  phase_fn: Callable[[tf.Operation], str] = phase_of
-                                  ) -> set:
-    """Activation tensors AMP O1 keeps in low precision for the backward pass.
-
-    Under O1 a product's inputs are cast down before it runs, and its gradient
-    reads the low-precision casts; a forward tensor that only such gradients
-    read is kept in low precision, one that any other backward op reads (a
-    ReLU output read by ReluGrad) stays float32.
-    """
-    readers: dict = defaultdict(set)
-    for op in graph.get_operations():
-        if phase_fn(op) == BACKWARD:
-            for tensor in op.inputs:
-                readers[_source_tensor(tensor)].add(op.type)
-    return {t for t, types in readers.items() if types <= AMP_GRADIENT_TYPES}
-
-
-def _amp_factor(amp_dtype: Any) -> float:
-    """Factor applied to float32 activation bytes under AMP."""
-    if amp_dtype is None:
-        return 1.0
-    try:
-        dtype = tf.as_dtype(amp_dtype)
-    except TypeError as err:
-        raise ConfigError(f"amp_dtype must be float16 or bfloat16, got "
-                          f"{amp_dtype!r}") from err
-    if dtype == tf.float32:
-        return 1.0
-    if dtype not in (tf.float16, tf.bfloat16):
-        raise ConfigError(f"amp_dtype must be float16 or bfloat16, got "
-                          f"{amp_dtype!r}")
-    return 0.5
-
-
-def activation_tensors(graph: tf.Graph,
-                       phase_fn: Callable[[tf.Operation], str] = phase_of
-                       ) -> list[tf.Tensor]:
-    """Forward tensors the backward pass reads, in graph order.
-
-    A tensor counts when a backward-phase op consumes it (directly or through
-    alias ops such as Identity/Reshape) and it is produced by an op outside
-    the backward and apply phases ("forward", or untagged such as the
-    input pipeline) that is not a variable or a constant.  Each buffer is
-    counted once: aliases resolve to the tensor they view.
-    """
-    order = {op: i for i, op in enumerate(graph.get_operations())}
-    found: dict[tuple[int, int], tf.Tensor] = {}
-    for op in graph.get_operations():
-        if phase_fn(op) != BACKWARD:
-            continue
-        for tensor in op.inputs:
-            source = _source_tensor(tensor)
-            if _is_activation(source, phase_fn):
-                found[order[source.op], source.value_index] = source
-    return [found[key] for key in sorted(found)]
-
-
-def _is_activation(tensor: tf.Tensor,
-                   phase_fn: Callable[[tf.Operation], str]) -> bool:
-    """Whether `tensor` is a forward buffer (not a parameter or constant)."""
-    op = tensor.op
-    return (phase_fn(op) not in (BACKWARD, APPLY)
-            and op.type not in VARIABLE_OPS
-            and op.type not in ("Const", "HostConst")
-            and tensor.dtype.base_dtype != tf.resource)
-
-
-def _activation_bytes(tensors: list[tf.Tensor], s: _Sizer,
-                      amp: float, checkpointing: bool, low: set = frozenset()) -> float:
-    """Bytes of one group's activation tensors (`low`: those AMP keeps in low precision)."""
-    sizes = [s.nbytes(t) * (amp if t.dtype.base_dtype == tf.float32 and t in low else 1)
-             for t in tensors]
-    return checkpointed_bytes(sizes) if checkpointing else float(sum(sizes))
-
-
-def _variable_ops(graph: tf.Graph, trainable_vars: Iterable[Any] | None
-                  ) -> list[tf.Operation]:
-    """The variable ops of `trainable_vars` (default: graph's trainables)."""
-    if trainable_vars is None:
-        trainable_vars = graph.get_collection(
-            tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
-    ops = []
-    for var in trainable_vars:
-        op = var if isinstance(var, tf.Operation) else var.op
-        if op.graph is not graph:  # a GraphDef import of the same graph
-            op = graph.get_operation_by_name(op.name)
-        ops.append(op)
-    return ops
-
-
-def memory_estimate(graph: tf.Graph | tf.compat.v1.GraphDef,
-                    trainable_vars: Iterable[Any] | None,
-                    optimizer: str,
-                    group_fn: GroupFn | None = None,
-                    checkpointing: bool = False,
-                    zero_shards: int = 1,
-                    amp_dtype: Any = None,
-                    phase_fn: Callable[[tf.Operation], str] = phase_of,
-                    unknown_dim: int | None = None,
-                    ) -> dict[Hashable, MemoryEstimate]:
-    """Estimate per group the memory a training step holds.
-
-    Args:
-        graph: the training graph (Graph or GraphDef), with backward ops.
-        trainable_vars: the trained variables (tf.Variable or their ops);
-            None means the graph's TRAINABLE_VARIABLES collection.
-        optimizer: "sgd", "momentum", "adam", "adagrad", "rmsprop", ... (or
-            the class name, e.g. "AdamOptimizer"); sets slots per parameter.
-        group_fn: op -> group key; default one group `ALL`.  Parameters,
-            gradients and slots belong to the group of the variable's op;
-            activations to the group of the op producing them.
-        checkpointing: keep only ~sqrt(n) activations plus one recomputed
-            segment (see `checkpointed_bytes`), per group.
-        zero_shards: ZeRO: optimizer slots are divided by this many shards.
-        amp_dtype: float16/bfloat16 halves the bytes of the float32
-            activations that only gradients of products read (AMP O1 keeps
-            their low-precision casts, `amp_low_precision_activations`);
-            parameters, gradients and slots stay float32.
-        phase_fn: op -> phase; default reads the `_epl_phase` attribute.
-            With no backward-phase ops, activations are zero.
-        unknown_dim: size assumed for unknown dimensions (e.g. batch size).
-
-    Returns:
-        group key -> MemoryEstimate.  Assumptions: gradients are dense and
-        as large as their variables; activations are the forward tensors
-        that backward ops read (see `activation_tensors`), all alive at the
-        start of the backward pass; temporary buffers inside ops, the
-        optimizer's scalar accumulators and framework overhead are ignored.
-    """
-    if not isinstance(zero_shards, int) or zero_shards < 1:
-        raise ConfigError(f"zero_shards must be a positive int, got "
-                          f"{zero_shards!r}")
-    graph = as_graph(graph)
-    group_fn = group_fn or _single_group
-    slots, amp = optimizer_slots(optimizer), _amp_factor(amp_dtype)
-    parts: dict[Hashable, dict[str, Any]] = defaultdict(
-        lambda: {"params": 0.0, "acts": [], "exact": True})
-    for var_op in _variable_ops(graph, trainable_vars):
-        size, exact = variable_bytes(var_op, unknown_dim)
-        part = parts[group_fn(var_op)]
-        part["params"] += size
-        part["exact"] &= exact
-    for tensor in activation_tensors(graph, phase_fn):
-        parts[group_fn(tensor.op)]["acts"].append(tensor)
-    low = amp_low_precision_activations(graph, phase_fn) if amp != 1.0 else set()
-    return {key: _group_memory(part, slots, zero_shards, amp, checkpointing,
-                               unknown_dim, low)
-            for key, part in parts.items()}
-
-
-def _group_memory(part: dict[str, Any], slots: int, zero_shards: int,
-                  amp: float, checkpointing: bool,
-                  unknown_dim: int | None, low: set = frozenset()) -> MemoryEstimate:
-    """The MemoryEstimate of one group's collected parts."""
-    s = _Sizer(unknown_dim)
-    activations = _activation_bytes(part["acts"], s, amp, checkpointing, low)
-    params = part["params"]
-    return MemoryEstimate(
-        parameters=params, gradients=params,
-        optimizer_slots=params * slots / zero_shards,
-        activations=activations, exact=part["exact"] and s.exact)

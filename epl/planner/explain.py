@@ -16,7 +16,7 @@ from epl.planner.balance import index_ranges
 from epl.planner.devices import DeviceLayout, merge_runs, runs_count, runs_text
 from epl.planner.model_spec import ModelSpec
 from epl.planner.results import CHOICE_TOLERANCE, Alternative, DeviceLoad
-from epl.planner.step_cost import _cluster_link, _slowest_link
+from epl.planner.step_cost import cluster_link, slowest_link
 from epl.planner.profiles import HostNetwork
 
 def _ms(seconds: float) -> str:
@@ -117,9 +117,9 @@ def _cluster_line(plan: Any) -> str:
             groups.append([[h], host.profile.name, host.devices])
     parts = [f"host{'s' if len(hs) > 1 else ''} {index_ranges(hs)}: "
              f"{count} x {name}" for hs, name, count in groups]
-    bandwidth, kind = _slowest_link([c.representative for c in layout.classes]
-                                    ) if len(plan.hosts) == 1 else \
-        _cluster_link(layout)
+    bandwidth, kind = slowest_link([c.representative for c in layout.classes]
+                                   ) if len(plan.hosts) == 1 else \
+        cluster_link(layout)
     return (f"Cluster: {len(plan.hosts)} host(s), {len(layout)} devices "
             f"({'; '.join(parts)}); slowest link {bandwidth / 1e9:.1f} GB/s "
             f"({kind})")

@@ -1,7 +1,7 @@
 """A training graph as a `ModelSpec`: one layer per TaskGraph (TensorFlow).
 
-`model_from_graph` measures a tf.Graph / GraphDef with the static cost model
-(`epl.planner.cost_model`): per TaskGraph, forward + backward FLOPs, bytes
+`model_from_graph` measures a tf.Graph / GraphDef with the static cost and
+memory models (`epl.planner.cost_model`, `epl.planner.step_memory`): per TaskGraph, forward + backward FLOPs, bytes
 and activation bytes per example, parameter bytes, and the op types the
 cost model does not know (`ModelSpec.unknown_op_types`).  `infer_optimizer`
 reads the optimizer from the graph's apply ops.  This is the part of the
@@ -17,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from epl.planner import cost_model as cm
+from epl.planner import step_memory
 from epl.planner.model_spec import LayerSpec, ModelSpec
 from epl.planner.roofline import normalize_dtype
 
@@ -154,7 +155,7 @@ def model_from_graph(graph: Any, view: Any = None,
     if variables is None and not graph.get_collection(
             "trainable_variables"):
         variables = _trainable_variable_ops(graph)
-    memory = {ck: _Measure({u: cm.memory_estimate(
+    memory = {ck: _Measure({u: step_memory.memory_estimate(
         graph, variables, "sgd", group_fn=group_fn, checkpointing=ck,
         amp_dtype=amp_dtype, phase_fn=phase_fn, unknown_dim=u)
         for u in (1, 2)}, batch) for ck in (False, True)}

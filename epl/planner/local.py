@@ -22,8 +22,8 @@ from epl.planner import roofline as cm
 from epl.planner.balance import index_ranges
 from epl.planner.model_spec import LayerSpec, ModelSpec
 from epl.planner.results import Alternative, PlanOptions
-from epl.planner.search import ClusterPlan, _as_model, plan_local_devices
-from epl.planner.step_cost import _totals
+from epl.planner.search import ClusterPlan, as_model, plan_local_devices
+from epl.planner.step_cost import layer_totals
 from epl.planner.profiles import DeviceProfile, normalize_dtype
 
 def replica_weights_for_local_devices(model: Any,
@@ -63,7 +63,7 @@ def replica_weights_for_local_devices(model: Any,
     """
     options = options or PlanOptions()
     view = model if hasattr(model, "taskgraph_of") else None
-    spec = _as_model(model)
+    spec = as_model(model)
     optimizer = optimizer or spec.optimizer
     counts = list(device_counts or (
         [tg.spec.device_count for tg in view.taskgraphs] if view else [1]))
@@ -83,7 +83,7 @@ def replica_weights_for_local_devices(model: Any,
         seconds, tight = 0.0, None
         for offset, layers in groups:
             profile = devices[offset]
-            totals = _totals(layers, False)
+            totals = layer_totals(layers, False)
             seconds += cm.predict_time(
                 cm.GroupCost(flops=totals.flops, bytes=totals.bytes),
                 profile, dtype, options.efficiency) if totals.flops or \
@@ -198,7 +198,7 @@ def local_layout(view: Any, cluster: Any, config: Any) -> LocalLayout | None:
     checkpointing nor ZeRO; the runtime alternative
     (`runtime_alternative_name`) gives each replica's batch and, for a
     pipeline, which device runs each stage of each pipeline (the order and
-    grouping the dry run reports, `balance.stage_device_order` over the
+    grouping the dry run reports, `stage_cuts.stage_device_order` over the
     whole worker).  So `epl-plan` and the real run cannot disagree, but for
     one example given to each replica the search leaves without any
     (`_at_least_one_each`: every replica of the layout draws a batch).
@@ -215,7 +215,7 @@ def local_layout(view: Any, cluster: Any, config: Any) -> LocalLayout | None:
             not view.global_batch_size:
         return None
     stages = len(taskgraphs)
-    spec = _as_model(view)
+    spec = as_model(view)
     if stages > 1 and len(spec.layers) != stages:
         return None  # the runtime cannot move layers across the user's stages
     options = PlanOptions(

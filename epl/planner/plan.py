@@ -21,10 +21,10 @@ from epl.runtime.cluster import Cluster
 from epl.errors import ClusterError, ParallelizeError
 from epl.ir.taskgraph import TaskGraph
 from epl.planner import local
-from epl.planner.balance import stage_device_order
+from epl.planner.stage_cuts import stage_device_order
 
-# stage_device_order is balance's (one order for the search and the runtime), also
-# importable from here (epl/passes/pipeline/auto_stages.py imports it from this module).
+# stage_device_order is epl.planner.stage_cuts' (one order for the search and the
+# runtime), also importable from here.
 __all__ = ["Plan", "SplitPlan", "make_local_plan", "make_plan", "shard_sizes", "split_layout",
            "stage_device_order"]
 

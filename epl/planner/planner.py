@@ -66,8 +66,8 @@ The model of one device
   GPU table.
 - Communication: a ring all-reduce of the replicated gradients over the
   data-parallel devices (`cost_model.comm_time`) at the bandwidth of the
-  link that bounds the ring (`_slowest_link`); the expert all-to-all
-  (dispatch and combine, forward and backward; `_alltoall_time`): each
+  link that bounds the ring (`slowest_link`); the expert all-to-all
+  (dispatch and combine, forward and backward; `alltoall_time`): each
   device's tokens go to every device in proportion to its experts, within
   the host over each device's intra-node link, to other hosts through the
   host's network; one exchange that every device waits for, as long as its
@@ -124,12 +124,15 @@ Where the code is
 - `epl.planner.results`: PlanOptions, DeviceLoad, Alternative.
 - `epl.planner.step_cost`: the cost of one step on one device (compute,
   memory, all-reduce and all-to-all terms).
-- `epl.planner.search`: the alternatives, `plan_cluster`, the choice,
-  ClusterPlan, and the message when nothing fits.
+- `epl.planner.data_parallel`: the data-parallel alternatives (each
+  device's state, expert placements, batch shares and loads).
+- `epl.planner.search`: the pipeline alternative, `plan_cluster`, the
+  choice, ClusterPlan, and the message when nothing fits.
 - `epl.planner.explain`: the report text and JSON of a ClusterPlan.
 - `epl.planner.local`: the runtime bridge (`local_*`, used by
   epl/parallel.py).
-- `epl.planner.balance`: shares, shards and stage cuts over plain numbers.
+- `epl.planner.balance`: shares and shards over plain numbers;
+  `epl.planner.stage_cuts`: pipeline stage cuts over plain numbers.
 This module re-exports the names callers import from `epl.planner.planner`.
 """
 from __future__ import annotations

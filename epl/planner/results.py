@@ -2,7 +2,8 @@
 
 `PlanOptions` says how the planner models the devices and what it may try;
 `DeviceLoad` is what one device (or a group of identical devices) does and
-holds under one alternative; `Alternative` is one candidate plan.  The search
+holds under one alternative; `Alternative` is one candidate plan, and
+`memory_reason` the text of the constraint that rules its loads out.  The search
 (`epl.planner.search`) builds them; `ClusterPlan` (the search's answer) lives
 there too, because it also renders itself (`epl.planner.explain`).
 Nothing here computes a cost.
@@ -12,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from epl.errors import ConfigError
 from epl.planner import roofline as cm
+from epl.planner.balance import GiB, gb
 from epl.planner.devices import ClusterDevice, Runs
 from epl.planner.profiles import PCIE3_X16
 
@@ -221,3 +224,41 @@ class Alternative:
         """
         return [size for size, count in self.batch_runs
                 for _ in range(count)]
+
+
+def memory_reason(loads: Sequence[DeviceLoad]) -> str:
+    """"" when every device fits, else the constraint that rules it out."""
+    device_over = [l for l in loads if l.shortfall > 1e-9 * l.usable]
+    host_over = [l for l in loads if l.host_shortfall > 0]
+    count = lambda rows: sum(l.count for l in rows)  # noqa: E731
+    if not device_over and not host_over:
+        return ""
+    if device_over:
+        worst = max(device_over, key=lambda l: (l.shortfall / l.usable,
+                                                -l.device.index))
+        text = _needs_text(worst)
+        others = count(device_over) - 1
+    else:
+        worst = max(host_over, key=lambda l: (l.host_shortfall,
+                                              -l.device.index))
+        text = (f"device {worst.device.index} needs {gb(worst.host_bytes)} "
+                f"of host memory with {gb(worst.host_usable)} per device")
+        others = count(host_over) - 1
+    if others:
+        text += f" (and {others} more device{'s' if others > 1 else ''})"
+    return text
+
+
+def _needs_text(load: DeviceLoad) -> str:
+    """"stage 3 needs 18.2 GB on a 16.0 GB V100-16GB (device 5, ...)"."""
+    profile = load.device.profile
+    who = f"stage {load.stage}" if load.stage is not None else \
+        f"device {load.device.index}"
+    where = f"device {load.device.index}, " if load.stage is not None else ""
+    what = f"{load.batch} examples" if load.batch else "its share"
+    return (f"{who} needs {gb(load.total)} on a "
+            f"{profile.memory_bytes / GiB:.1f} GB {profile.name} "
+            f"({where}{gb(load.usable)} usable) for {what}: parameters "
+            f"{gb(load.parameters)}, gradients {gb(load.gradients)}, "
+            f"optimizer {gb(load.optimizer)}, activations "
+            f"{gb(load.activations)}")

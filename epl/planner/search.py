@@ -1,11 +1,13 @@
-"""The plan search: every alternative's per-device loads, and the choice.
+"""The plan search: the pipeline alternative, the listing, and the choice.
 
 `plan_cluster` evaluates the alternatives the options allow (data-parallel
-even and balanced, with gradient checkpointing and ZeRO; pipelines), chooses
-the simplest feasible one within `CHOICE_TOLERANCE` of the fastest, and
+even and balanced, with gradient checkpointing and ZeRO, evaluated by
+`epl.planner.data_parallel`; pipelines, evaluated here), chooses the
+simplest feasible one within `CHOICE_TOLERANCE` of the fastest, and
 returns a `ClusterPlan`; when nothing fits, the ClusterError says why and
 what would help (each remedy checked by re-planning).  Costs come from
-`epl.planner.step_cost`, shares and cuts from `epl.planner.balance`, the
+`epl.planner.step_cost`, shares from `epl.planner.balance`, stage cuts
+from `epl.planner.stage_cuts`, the
 text from `epl.planner.explain`.
 """
 from __future__ import annotations
@@ -16,22 +18,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epl.errors import ClusterError, ConfigError
-from epl.planner import balance
+from epl.planner import balance, stage_cuts
 from epl.planner import roofline as cm
-from epl.planner.balance import GiB, gb
-from epl.planner.devices import ClusterDevice, DeviceLayout, runs_count
+from epl.planner.balance import gb
+from epl.planner.data_parallel import data_parallel_alternative
+from epl.planner.devices import ClusterDevice, DeviceLayout
 from epl.planner.explain import explain_text, plan_dict
 from epl.planner.model_spec import ModelSpec
 from epl.planner.results import (CHOICE_TOLERANCE, Alternative, DeviceLoad,
-                                 PlanOptions)
-from epl.planner.step_cost import (_Context, _Totals, _alltoall_time,
-                                   _allreduce_time, _per_example_time,
-                                   exposed_alltoall_time, input_time,
-                                   merge_op_counts,
-                                   _ring_link,
-                                   _slowest_link, _totals)
+                                 PlanOptions, memory_reason)
+from epl.planner.step_cost import (Context, Totals, allreduce_time,
+                                   per_example_time, input_time,
+                                   merge_op_counts, slowest_link, layer_totals)
 from epl.planner.profiles import (DeviceProfile, HostSpec, normalize_dtype, parse_cluster,
                           replica_speedup)
+
 
 @dataclasses.dataclass(frozen=True)
 class ClusterPlan:
@@ -77,443 +78,10 @@ class ClusterPlan:
 
 
 # --------------------------------------------------------------------------
-# Data-parallel alternatives.
-# --------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _DeviceState:
-    """Bytes a device holds whatever its batch, split into the table's parts."""
-
-    parameters: float
-    gradients: float
-    optimizer: float
-    activations: float  # split (expert) activations, fixed by the shard
-    host: float
-    update_bytes: float  # parameter bytes this device updates
-    offload_traffic: float = 0.0  # bytes to and from the host per step
-
-
-def _device_state(ctx: _Context, totals: _Totals, units: int, n: int,
-                  zero: bool) -> _DeviceState:
-    """Fixed bytes of one data-parallel device holding `units` split units."""
-    share = units / ctx.model.split_units if ctx.model.split_units else 0.0
-    dense, split = totals.params, totals.split_params * share
-    dense_sharded = dense / n if zero else dense
-    # ZeRO stage 1 as epl/passes/zero.py builds it: full gradients, slots and
-    # update sharded, plus a working copy of the device's parameter shard
-    params = dense + split + (dense_sharded if zero else 0.0)
-    grads = dense + split
-    slots = (dense_sharded + split) * ctx.slots
-    split_act = totals.split_act * ctx.global_batch * share
-    update = dense_sharded + split
-    if not ctx.options.offload:
-        return _DeviceState(params, grads, slots, split_act, 0.0, update)
-    largest = totals.largest_layer_params + \
-        totals.largest_layer_split_params * share
-    return _DeviceState(2 * largest, largest, 0.0, split_act,
-                        params + grads + slots, update, 2 * params + grads)
-
-
-#: At most this many expert placements are evaluated per balanced plan.
-MAX_PLACEMENTS = 17
-
-
-def _barriers(ctx: _Context, totals: _Totals) -> bool:
-    """Whether the devices meet at an expert all-to-all in every split
-    layer (then the replicated and the expert work are balanced apart)."""
-    return bool(totals.alltoall) and len(ctx.devices) > 1 and \
-        ctx.model.split_units > 0
-
-
-def _split_time(ctx: _Context, device: ClusterDevice, totals: _Totals
-                ) -> float:
-    """Seconds of one example's split-layer work (all experts) on `device`;
-    0 when the model has none."""
-    return ctx.time(device, totals.split_flops, totals.split_bytes)
-
-
-def _placement_path(start: list[int], speed: list[float]) -> list[list[int]]:
-    """Placements from `start` towards the one that finishes the experts
-    soonest: each step moves one unit from the device that finishes its
-    units last (keeping at least one) to the one that would finish one more
-    unit first, while that shortens the slowest device's time (ties to the
-    lower index).  Returns every placement on the way, `start` first."""
-    units, n = list(start), len(start)
-    path = [list(units)]
-    while True:
-        donors = [i for i in range(n) if units[i] > 1]
-        if not donors:
-            break
-        src = max(donors, key=lambda i: (units[i] / speed[i], -i))
-        dst = min(range(n), key=lambda i: ((units[i] + 1) / speed[i], i))
-        if (units[dst] + 1) / speed[dst] >= units[src] / speed[src]:
-            break
-        units[src] -= 1
-        units[dst] += 1
-        path.append(list(units))
-    return path
-
-
-def _split_placements(ctx: _Context, totals: _Totals, caps: list[float],
-                      balanced: bool, zero: bool) -> list[list[int]]:
-    """Candidate split units (experts) per device, each device at least one.
-
-    Even: one candidate, the even split.  Balanced: the placements on the
-    way from the even split to the one proportional to each device's speed
-    (`_placement_path`, one unit moved at a time; at most `MAX_PLACEMENTS`,
-    evenly spaced), and the proportional one rounded within memory
-    (`balance.balance_shards`).  The speed is the device's on the experts'
-    work when the all-to-all barriers separate it from the replicated work
-    (`_barriers`) and that work takes time, else on a whole example.  The caller evaluates each
-    candidate and keeps the fastest.
-
-    Why not just the proportional one: the experts a device holds set how
-    many tokens its host receives from other hosts, and its batch how many
-    it sends (`_alltoall_time`); when the two shares differ, the hosts
-    exchange more than they need to.  Whole experts per device make them
-    differ: 32 experts over 8 + 8 devices 1.95x apart round to 3 and 1 (24
-    of 32 on the fast host for a 66% share).  A less skewed placement can
-    be faster; only the whole cost model can tell.  `caps` (examples/s of
-    the replicated work) estimate each device's batch share, whose
-    activations take memory too.
-    """
-    units, n = ctx.model.split_units, len(ctx.devices)
-    if not units:
-        return [[0] * n]
-    if units < n:
-        raise ClusterError(
-            f"the split dimension has {units} units (experts) but the "
-            f"cluster has {n} devices; every device needs at least one")
-    even = balance.proportional_shares(units, [1.0] * n, minimum=1)
-    if not balanced:
-        return [even]
-    split = [_split_time(ctx, d, totals) for d in ctx.devices]
-    if _barriers(ctx, totals) and all(split):
-        speed = [1.0 / seconds for seconds in split]
-    else:  # no barriers, or experts without work of their own
-        speed = [1.0 / (_per_example_time(ctx, d, totals) + seconds)
-                 for d, seconds in zip(ctx.devices, split)]
-    path = _placement_path(even, speed)
-    if len(path) > MAX_PLACEMENTS:
-        last = len(path) - 1
-        path = [path[round(i * last / (MAX_PLACEMENTS - 1))]
-                for i in range(MAX_PLACEMENTS)]
-    state_copies = 0 if ctx.options.offload else 2 + ctx.slots
-    per_unit = (totals.split_params / units) * state_copies + \
-        totals.split_act * ctx.global_batch / units
-    empty = [_device_state(ctx, totals, 0, n, zero) for _ in ctx.devices]
-    fixed = [s.parameters + s.gradients + s.optimizer + totals.act *
-             ctx.global_batch * c / sum(caps) for s, c in zip(empty, caps)]
-    try:
-        fitted = list(balance.balance_shards(
-            units, speed, per_unit, fixed, [ctx.usable(d) for d in ctx.devices],
-            [d.profile.name for d in ctx.devices]).sizes)
-    except ClusterError:
-        fitted = balance.proportional_shares(units, speed, minimum=1)
-    return path + [fitted] if fitted not in path else path
-
-
-def _data_parallel(ctx: _Context, name: str, balanced: bool,
-                   checkpointing: bool, zero: bool) -> Alternative:
-    """Evaluate one data-parallel alternative: per group of identical
-    devices where that gives the per-device answer (`_grouped_data_parallel`),
-    else device by device (`_per_device_data_parallel`)."""
-    grouped = _grouped_data_parallel(ctx, name, balanced, checkpointing, zero)
-    if grouped is not None:
-        return grouped
-    return _per_device_data_parallel(ctx, name, balanced, checkpointing, zero)
-
-
-
-
-def _grouped_data_parallel(ctx: _Context, name: str, balanced: bool,
-                           checkpointing: bool, zero: bool
-                           ) -> Alternative | None:
-    """A data-parallel alternative computed once per DeviceClass, or None
-    where only the per-device computation gives the answer.
-
-    Without split layers every device of a class holds the same state and
-    runs at the same speed, so its batch share is the same exact quota; the
-    rounding gives some devices of a class one more example
-    (`balance.grouped_proportional_shares`, the same rounding as
-    device by device).  So a class is one or two rows.  When an assignment
-    would not fit some device (the balancer would move examples one by one,
-    or report a shortfall) the per-device computation runs instead, as it
-    does for models with split layers (they are planned on at most as many
-    devices as experts).
-    """
-    if ctx.model.split_units or not isinstance(ctx.devices, DeviceLayout):
-        return None
-    layout, n = ctx.devices, len(ctx.devices)
-    classes = layout.classes
-    totals = _totals(ctx.model.layers, checkpointing)
-    reps = [c.representative for c in classes]
-    state = _device_state(ctx, totals, 0, n, zero)
-    fixed = state.parameters + state.gradients + state.optimizer + \
-        state.activations
-    members = [c.runs for c in classes]
-    if balanced:
-        caps = [1.0 / _per_example_time(ctx, d, totals) for d in reps]
-        busy = [ctx.update_time(d, state.update_bytes) for d in reps]
-        limits = balance._unit_limits([fixed] * len(reps),
-                                      [totals.act] * len(reps),
-                                      [ctx.usable(d) for d in reps])
-        parts = balance.grouped_proportional_shares(
-            ctx.global_batch, caps, members, 0, busy)
-        if any(size > limit for group, limit in zip(parts, limits)
-               for size, _ in group):
-            return None
-    else:
-        parts = balance.grouped_proportional_shares(
-            ctx.global_batch, [1.0] * len(reps), members)
-    comm = _allreduce_time(reps, totals.params, _ring_link(ctx), n) + \
-        state.offload_traffic / ctx.options.host_link_bandwidth + \
-        input_time(reps, n, ctx.global_batch)
-    rows = []
-    for device, group in zip(reps, parts):
-        for batch, runs in group:
-            rows.append(DeviceLoad(
-                device=layout[runs[0][0]], batch=batch,
-                parameters=state.parameters, gradients=state.gradients,
-                optimizer=state.optimizer,
-                activations=state.activations + batch * totals.act,
-                usable=ctx.usable(device),
-                compute_s=ctx.time(device, batch * totals.flops,
-                                   batch * totals.bytes, totals.op_counts)
-                + ctx.update_time(device, state.update_bytes)
-                + ctx.session_time(device),
-                comm_s=comm, host_bytes=state.host,
-                host_usable=ctx.options.host_memory_per_device
-                if ctx.options.offload else math.inf,
-                count=runs_count(runs), runs=runs))
-    rows.sort(key=lambda row: row.device.index)
-    reason = _memory_reason(rows)
-    return Alternative(name, tuple(rows), not reason, reason, checkpointing,
-                       zero, layout=layout)
-
-
-def _per_device_data_parallel(ctx: _Context, name: str, balanced: bool,
-                              checkpointing: bool, zero: bool
-                              ) -> Alternative:
-    """Evaluate one data-parallel alternative, device by device.
-
-    Even: the even split of the batch and of the split units.  Balanced:
-    for each candidate expert placement (`_split_placements`), the batch
-    balanced by capability within memory (`_batch_sizes`) and, when the
-    model has an expert all-to-all, its blends with the even split and with
-    the batch that follows the experts (`_blended_batches`); the assignment
-    that fits with the shortest predicted step is kept (the first on a
-    tie).
-    """
-    devices, n = ctx.devices, len(ctx.devices)
-    totals = _totals(ctx.model.layers, checkpointing)
-    # Capability is compute speed: the all-to-all is one exchange every
-    # device waits for (`_alltoall_time`), not a per-device cost to balance.
-    caps = [1.0 / _per_example_time(ctx, d, totals) for d in devices]
-    try:
-        placements = _split_placements(ctx, totals, caps, balanced, zero)
-    except ClusterError as err:
-        return Alternative(name, (), False, str(err), checkpointing, zero)
-    barriers = _barriers(ctx, totals)
-    best = None
-    for units in placements:
-        states = [_device_state(ctx, totals, u, n, zero) for u in units]
-        busy = [_busy_time(ctx, d, totals, u, s, barriers)
-                for d, u, s in zip(devices, units, states)]
-        batch = _batch_sizes(ctx, devices, caps, states, totals.act,
-                             balanced, busy)
-        batches = _blended_batches(ctx.global_batch, batch, units) \
-            if balanced and barriers else [batch]
-        for sizes in batches:
-            loads = _dp_loads(ctx, totals, units, states, sizes)
-            reason = _memory_reason(loads)
-            key = (bool(reason), max(load.step_s for load in loads))
-            if best is None or key < best[0]:
-                best = (key, loads, reason)
-    _, loads, reason = best
-    return Alternative(name, tuple(loads), not reason, reason, checkpointing,
-                       zero)
-
-
-#: Blends of the balanced batch (1) with another one (0) that a plan with an
-#: expert all-to-all tries.
-BATCH_BLENDS = tuple(i / 8 for i in range(8, -1, -1))
-
-
-def _blended_batches(global_batch: int, balanced: list[int],
-                     units: list[int]) -> list[list[int]]:
-    """Batch sizes to try with the placement `units`, all summing to
-    `global_batch`: the balanced ones first, then their blends
-    (`BATCH_BLENDS`) with the even split and with the batch that follows
-    the experts (shares proportional to `units`); distinct ones only.
-
-    Balancing equalizes compute, but in the all-to-all each host sends the
-    tokens of its batch that go to other hosts' experts, and receives the
-    other hosts' tokens for its own experts.  Piling the batch onto the
-    fast devices loads their hosts' networks (towards even sends less);
-    a batch whose shares match the experts' makes each host send as much as
-    it receives, the least for its share (towards the experts).  When the
-    network binds, the fastest batch lies on one of these lines; the caller
-    keeps whichever the cost model predicts fastest (memory is checked
-    there, so a share too large for a device is ruled out).
-    """
-    n = len(balanced)
-    anchors = ([global_batch / n] * n,
-               [global_batch * u / sum(units) for u in units])
-    out = [list(balanced)]
-    for anchor in anchors:
-        for blend in BATCH_BLENDS:
-            if blend >= 1:
-                continue
-            weights = [(1 - blend) * a + blend * b
-                       for a, b in zip(anchor, balanced)]
-            sizes = balance.proportional_shares(global_batch, weights)
-            if sizes not in out:
-                out.append(sizes)
-    return out
-
-
-def _busy_time(ctx: _Context, device: ClusterDevice, totals: _Totals,
-               units: int, state: _DeviceState, barriers: bool) -> float:
-    """Seconds `device` computes whatever its batch, which its batch share
-    must make up for: its optimizer update and, unless the all-to-all
-    barriers make every device wait for the slowest expert work anyway
-    (`_dp_loads`), its experts' share of the split layers."""
-    update = ctx.update_time(device, state.update_bytes)
-    if barriers:
-        return update
-    share = units / ctx.model.split_units if ctx.model.split_units else 0.0
-    tokens = ctx.global_batch * share
-    return ctx.time(device, tokens * totals.split_flops,
-                    tokens * totals.split_bytes) + update
-
-
-def _batch_sizes(ctx: _Context, devices: Sequence[ClusterDevice],
-                 caps: list[float], states: list[_DeviceState],
-                 act: float, balanced: bool, busy: list[float]
-                 ) -> list[int]:
-    """Batch per device: even, or balanced within memory.  When the batch
-    fits nowhere, shares follow each device's free memory instead, so that
-    every device falls short by about the same fraction (the shortfall the
-    planner reports is then the least one)."""
-    g = ctx.global_batch
-    if not balanced:
-        return balance.proportional_shares(g, [1.0] * len(devices))
-    fixed = [s.parameters + s.gradients + s.optimizer + s.activations
-             for s in states]
-    try:
-        shares = balance.balance_batch(
-            g, caps, act, fixed, [ctx.usable(d) for d in devices],
-            [d.profile.name for d in devices], busy)
-        return list(shares.sizes)
-    except ClusterError:
-        room = [max(ctx.usable(d) - f, 0.0) for d, f in zip(devices, fixed)]
-        if not any(room):
-            return balance.proportional_shares(g, caps, 0, busy)
-        return balance.proportional_shares(
-            g, [max(r, 1e-9 * max(room)) for r in room])
-
-
-def _dp_loads(ctx: _Context, totals: _Totals, units: list[int],
-              states: list[_DeviceState], batch: list[int]
-              ) -> list[DeviceLoad]:
-    """Per-device loads of a data-parallel assignment.
-
-    With an expert all-to-all, every split layer's exchange is a barrier:
-    the experts start when the last device has sent its tokens, and the
-    next layer when the last expert has sent them back.  So the step pays
-    the slowest device's replicated work plus the slowest device's expert
-    work, not the slowest sum of both; a device that is done early waits
-    (`DeviceLoad.wait_s`).  Each layer's work divides among the devices in
-    the same proportions, so summing over layers first gives the same
-    maxima.
-
-    The dispatch may be cut into chunks (`PlanOptions.moe_chunks`, None:
-    the fastest of `step_cost.MOE_CHUNK_CHOICES`), pipelined with the expert
-    compute it feeds; the communication then counts only the part of the
-    all-to-all not hidden behind the slowest device's expert compute
-    (`step_cost.exposed_alltoall_time`).
-    """
-    devices = ctx.devices
-    bandwidth, _ = _slowest_link(devices)
-    allreduce = _allreduce_time(devices, totals.params, bandwidth) + \
-        input_time(devices, len(devices), ctx.global_batch)
-    dense, expert = [], []
-    for device, u, b in zip(devices, units, batch):
-        share = u / ctx.model.split_units if ctx.model.split_units else 0.0
-        tokens = ctx.global_batch * share
-        dense.append(ctx.time(device, b * totals.flops, b * totals.bytes,
-                              totals.op_counts))
-        expert.append(ctx.time(device, tokens * totals.split_flops,
-                               tokens * totals.split_bytes))
-    alltoall, chunks = exposed_alltoall_time(
-        ctx, totals, _alltoall_time(ctx, totals, units, batch), max(expert),
-        ctx.options.moe_chunks)
-    barrier = _barriers(ctx, totals)
-    loads = []
-    for device, u, state, b, d, e in zip(devices, units, states, batch,
-                                         dense, expert):
-        compute = d + e + ctx.update_time(device, state.update_bytes) + \
-            ctx.session_time(device)
-        wait = (max(dense) - d) + (max(expert) - e) if barrier else 0.0
-        comm = allreduce + alltoall
-        comm += state.offload_traffic / ctx.options.host_link_bandwidth
-        loads.append(DeviceLoad(
-            device=device, batch=b, parameters=state.parameters,
-            gradients=state.gradients, optimizer=state.optimizer,
-            activations=state.activations + b * totals.act,
-            usable=ctx.usable(device), compute_s=compute, comm_s=comm,
-            wait_s=wait, host_bytes=state.host,
-            host_usable=ctx.options.host_memory_per_device
-            if ctx.options.offload else math.inf,
-            shards=u if ctx.model.split_units else None,
-            moe_chunks=chunks))
-    return loads
-
-
-def _memory_reason(loads: Sequence[DeviceLoad]) -> str:
-    """"" when every device fits, else the constraint that rules it out."""
-    device_over = [l for l in loads if l.shortfall > 1e-9 * l.usable]
-    host_over = [l for l in loads if l.host_shortfall > 0]
-    count = lambda rows: sum(l.count for l in rows)  # noqa: E731
-    if not device_over and not host_over:
-        return ""
-    if device_over:
-        worst = max(device_over, key=lambda l: (l.shortfall / l.usable,
-                                                -l.device.index))
-        text = _needs_text(worst)
-        others = count(device_over) - 1
-    else:
-        worst = max(host_over, key=lambda l: (l.host_shortfall,
-                                              -l.device.index))
-        text = (f"device {worst.device.index} needs {gb(worst.host_bytes)} "
-                f"of host memory with {gb(worst.host_usable)} per device")
-        others = count(host_over) - 1
-    if others:
-        text += f" (and {others} more device{'s' if others > 1 else ''})"
-    return text
-
-
-def _needs_text(load: DeviceLoad) -> str:
-    """"stage 3 needs 18.2 GB on a 16.0 GB V100-16GB (device 5, ...)"."""
-    profile = load.device.profile
-    who = f"stage {load.stage}" if load.stage is not None else \
-        f"device {load.device.index}"
-    where = f"device {load.device.index}, " if load.stage is not None else ""
-    what = f"{load.batch} examples" if load.batch else "its share"
-    return (f"{who} needs {gb(load.total)} on a "
-            f"{profile.memory_bytes / GiB:.1f} GB {profile.name} "
-            f"({where}{gb(load.usable)} usable) for {what}: parameters "
-            f"{gb(load.parameters)}, gradients {gb(load.gradients)}, "
-            f"optimizer {gb(load.optimizer)}, activations "
-            f"{gb(load.activations)}")
-
-
-# --------------------------------------------------------------------------
 # Pipeline alternative.
 # --------------------------------------------------------------------------
 
-def _pipeline(ctx: _Context, stages: int, checkpointing: bool
+def _pipeline(ctx: Context, stages: int, checkpointing: bool
               ) -> Alternative:
     """Evaluate a pipeline of `stages` stages, replicated over the rest."""
     name = f"pipeline, {stages} stages" + (
@@ -526,13 +94,13 @@ def _pipeline(ctx: _Context, stages: int, checkpointing: bool
                            pipeline_stages=stages)
     replicas = n // stages
     micro = ctx.options.num_micro_batch
-    order = balance.stage_device_order(
+    order = stage_cuts.stage_device_order(
         [ctx.usable(d) for d in devices],
-        [1.0 / _per_example_time(ctx, d, _totals(layers, False))
+        [1.0 / per_example_time(ctx, d, layer_totals(layers, False))
          for d in devices])
     groups = [[devices[order[s * replicas + r]] for s in range(stages)]
               for r in range(replicas)]
-    per_layer = [_totals([l], checkpointing) for l in layers]
+    per_layer = [layer_totals([l], checkpointing) for l in layers]
     even_mb = max(math.ceil(ctx.global_batch / replicas / micro), 1)
     cuts, reason = [], ""
     for group in groups:
@@ -548,12 +116,12 @@ def _pipeline(ctx: _Context, stages: int, checkpointing: bool
                            pipeline_stages=stages, num_micro_batch=micro)
     batch = _pipeline_batches(ctx, groups, cuts, per_layer)
     loads = _pipeline_loads(ctx, groups, cuts, per_layer, batch)
-    reason = _memory_reason(loads)
+    reason = memory_reason(loads)
     return Alternative(name, tuple(loads), not reason, reason, checkpointing,
                        pipeline_stages=stages, num_micro_batch=micro)
 
 
-def _pipeline_precheck(ctx: _Context, stages: int) -> str:
+def _pipeline_precheck(ctx: Context, stages: int) -> str:
     """Why a pipeline of `stages` cannot be laid out ("" if it can)."""
     n, layers = len(ctx.devices), len(ctx.model.layers)
     if ctx.model.split_units:
@@ -572,16 +140,16 @@ def _stage_inflight(stages: int, micro: int) -> list[float]:
     return [float(min(stages - s, micro)) for s in range(stages)]
 
 
-def _cut_pipeline(ctx: _Context, group: list[ClusterDevice],
-                  per_layer: list[_Totals], micro_batch: int
-                  ) -> balance.StageCuts:
+def _cut_pipeline(ctx: Context, group: list[ClusterDevice],
+                  per_layer: list[Totals], micro_batch: int
+                  ) -> stage_cuts.StageCuts:
     """Stage cuts of one pipeline for micro-batches of `micro_batch`."""
     stages = len(group)
     rates = [sum(t.flops for t in per_layer) /
-             _per_example_time(ctx, d, _sum_totals(per_layer))
+             per_example_time(ctx, d, _sum_totals(per_layer))
              for d in group]
     state = 0 if ctx.options.offload else 2 + ctx.slots
-    return balance.balance_stages(
+    return stage_cuts.balance_stages(
         [t.flops for t in per_layer], rates,
         [ctx.usable(d) for d in group],
         [t.params * state for t in per_layer],
@@ -590,9 +158,9 @@ def _cut_pipeline(ctx: _Context, group: list[ClusterDevice],
         [d.profile.name for d in group], order_by_memory=False)
 
 
-def _sum_totals(per_layer: list[_Totals]) -> _Totals:
+def _sum_totals(per_layer: list[Totals]) -> Totals:
     """Totals of several layers' totals (no split parts in pipelines)."""
-    return _Totals(
+    return Totals(
         flops=sum(t.flops for t in per_layer),
         bytes=sum(t.bytes for t in per_layer),
         act=sum(t.act for t in per_layer),
@@ -603,7 +171,7 @@ def _sum_totals(per_layer: list[_Totals]) -> _Totals:
         op_counts=merge_op_counts(t.op_counts for t in per_layer))
 
 
-def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
+def _pipeline_batches(ctx: Context, groups, cuts, per_layer) -> list[int]:
     """Batch per pipeline, proportional to its throughput."""
     caps = []
     for group, cut in zip(groups, cuts):
@@ -614,11 +182,11 @@ def _pipeline_batches(ctx: _Context, groups, cuts, per_layer) -> list[int]:
     return balance.proportional_shares(ctx.global_batch, caps)
 
 
-def _stage_rate(ctx: _Context, device: ClusterDevice,
-                per_layer: list[_Totals]) -> float:
+def _stage_rate(ctx: Context, device: ClusterDevice,
+                per_layer: list[Totals]) -> float:
     """Effective FLOP/s of `device` on this model."""
     whole = _sum_totals(per_layer)
-    return whole.flops / _per_example_time(ctx, device, whole)
+    return whole.flops / per_example_time(ctx, device, whole)
 
 
 def _micro_batches_time(groups, per_mb: list[list[float]], r: int,
@@ -649,7 +217,7 @@ def _micro_batches_time(groups, per_mb: list[list[float]], r: int,
     return max(work, slots * share)
 
 
-def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
+def _pipeline_loads(ctx: Context, groups, cuts, per_layer, batch
                     ) -> list[DeviceLoad]:
     """Per-device loads of a pipeline plan, in device index order."""
     micro, stages = ctx.options.num_micro_batch, len(groups[0])
@@ -667,14 +235,14 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
     loads = []
     for s in range(stages):
         members = [group[s] for group in groups]
-        bandwidth, _ = _slowest_link(members)
+        bandwidth, _ = slowest_link(members)
         for r, (group, cut) in enumerate(zip(groups, cuts)):
             part = totals[r][s]
             mb = batch[r] / micro
             compute = micro_batches[r] + \
                 ctx.update_time(group[s], part.params) + \
                 ctx.session_time(group[s])
-            comm = _allreduce_time(members, part.params, bandwidth) + reads
+            comm = allreduce_time(members, part.params, bandwidth) + reads
             host = part.params * (2 + ctx.slots) if ctx.options.offload \
                 else 0.0
             if ctx.options.offload:
@@ -699,7 +267,7 @@ def _pipeline_loads(ctx: _Context, groups, cuts, per_layer, batch
 # plan_cluster.
 # --------------------------------------------------------------------------
 
-def _as_model(model: Any, amp_dtype: Any = None) -> ModelSpec:
+def as_model(model: Any, amp_dtype: Any = None) -> ModelSpec:
     """`model` itself, or the ModelSpec of a graph or TrainingView.
 
     Only a graph needs TensorFlow, so `graph_model` (which imports it) is
@@ -725,22 +293,22 @@ def _as_hosts(hosts: Sequence[HostSpec] | str,
     return hosts
 
 
-def _alternatives(ctx: _Context) -> list[Alternative]:
+def _alternatives(ctx: Context) -> list[Alternative]:
     """Every alternative the options allow, in listing order."""
     opts = ctx.options
-    alts = [_data_parallel(ctx, "data-parallel, even split", False, False,
+    alts = [data_parallel_alternative(ctx, "data-parallel, even split", False, False,
                            False),
-            _data_parallel(ctx, "data-parallel, balanced by capability",
+            data_parallel_alternative(ctx, "data-parallel, balanced by capability",
                            True, False, False)]
     if opts.try_checkpointing:
-        alts.append(_data_parallel(
+        alts.append(data_parallel_alternative(
             ctx, "data-parallel, balanced + gradient checkpointing", True,
             True, False))
     if opts.try_zero:
-        alts.append(_data_parallel(ctx, "data-parallel, balanced + ZeRO",
+        alts.append(data_parallel_alternative(ctx, "data-parallel, balanced + ZeRO",
                                    True, False, True))
     if opts.try_zero and opts.try_checkpointing:
-        alts.append(_data_parallel(
+        alts.append(data_parallel_alternative(
             ctx, "data-parallel, balanced + ZeRO + gradient checkpointing",
             True, True, True))
     stages = opts.pipeline_stages or (ctx.model.stages
@@ -753,7 +321,7 @@ def _alternatives(ctx: _Context) -> list[Alternative]:
 
 
 def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
-             global_batch: int, options: PlanOptions) -> _Context:
+             global_batch: int, options: PlanOptions) -> Context:
     """Validated evaluation context."""
     return _device_context(model, DeviceLayout(hosts), optimizer,
                            global_batch, options)
@@ -761,18 +329,18 @@ def _context(model: ModelSpec, hosts: Sequence[HostSpec], optimizer: str,
 
 def _device_context(model: ModelSpec, devices: Sequence[ClusterDevice],
                     optimizer: str, global_batch: int, options: PlanOptions
-                    ) -> _Context:
+                    ) -> Context:
     """Validated evaluation context over `devices` (a DeviceLayout, or a
     list of ClusterDevices)."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) \
             or global_batch < 1:
         raise ConfigError(f"the global batch must be a positive int, got "
                           f"{global_batch!r}")
-    return _Context(model=model, devices=devices,
-                    optimizer=optimizer,
-                    slots=cm.optimizer_slots(optimizer),
-                    global_batch=global_batch, options=options,
-                    dtype=normalize_dtype(options.compute_dtype or
+    return Context(model=model, devices=devices,
+                   optimizer=optimizer,
+                   slots=cm.optimizer_slots(optimizer),
+                   global_batch=global_batch, options=options,
+                   dtype=normalize_dtype(options.compute_dtype or
                                              model.compute_dtype))
 
 
@@ -808,7 +376,7 @@ def plan_cluster(model: Any, hosts: Sequence[HostSpec] | str,
         ConfigError: bad optimizer, batch or options.
     """
     options = options or PlanOptions()
-    spec = _as_model(model, amp_dtype)
+    spec = as_model(model, amp_dtype)
     optimizer_given = optimizer or spec.optimizer
     cluster = _as_hosts(hosts, overrides)
     n = sum(h.devices for h in cluster)
@@ -839,7 +407,7 @@ def plan_local_devices(model: Any, profiles: Sequence[DeviceProfile],
     runtime follows (`epl.planner.local`).
     """
     options = options or PlanOptions()
-    spec = _as_model(model)
+    spec = as_model(model)
     profiles = list(profiles)
     if not profiles:
         raise ClusterError("plan_local_devices needs at least one device")
@@ -878,13 +446,13 @@ def _closest(alts: Sequence[Alternative]) -> Alternative | None:
         for l in a.loads), alts.index(a)))
 
 
-def _fits_with(ctx: _Context, **changes: Any) -> bool:
+def _fits_with(ctx: Context, **changes: Any) -> bool:
     """Whether some alternative fits after `changes` to the context."""
     trial = dataclasses.replace(ctx, **changes)
     return any(a.feasible for a in _alternatives(trial))
 
 
-def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
+def _remedies(ctx: Context, closest: Alternative) -> list[str]:
     """What would make the model fit, each checked by re-planning."""
     out = []
     if not ctx.options.offload and _fits_with(
@@ -920,7 +488,7 @@ def _remedies(ctx: _Context, closest: Alternative) -> list[str]:
     return out
 
 
-def _more_devices(ctx: _Context) -> str:
+def _more_devices(ctx: Context) -> str:
     """"k times the devices would fit" when some small multiple does."""
     hosts = list(ctx.devices.hosts) if isinstance(ctx.devices, DeviceLayout) \
         else _hosts_of(ctx.devices)
@@ -948,7 +516,7 @@ def _hosts_of(devices: Sequence[ClusterDevice]) -> list[HostSpec]:
             for _, members in sorted(counts.items())]
 
 
-def _smaller_batch(ctx: _Context) -> str:
+def _smaller_batch(ctx: Context) -> str:
     """"a global batch of at most B fits" when a smaller batch does."""
     if ctx.global_batch <= 1 or not _fits_with(ctx, global_batch=1):
         return ""
@@ -962,7 +530,7 @@ def _smaller_batch(ctx: _Context) -> str:
     return f"a smaller global batch: at most {low} examples fit"
 
 
-def _nothing_fits(ctx: _Context, alts: Sequence[Alternative]) -> str:
+def _nothing_fits(ctx: Context, alts: Sequence[Alternative]) -> str:
     """The ClusterError message when no alternative fits."""
     lines = [f"model {ctx.model.name!r} does not fit on this cluster under "
              f"any plan (global batch {ctx.global_batch}, optimizer "

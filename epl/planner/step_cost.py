@@ -1,10 +1,10 @@
 """The cost of one step on one device: what every alternative's evaluation reads.
 
-Summed layer figures (`_Totals`, with gradient checkpointing's recompute and
-kept activations), the evaluation context (`_Context`: roofline time of
+Summed layer figures (`Totals`, with gradient checkpointing's recompute and
+kept activations), the evaluation context (`Context`: roofline time of
 FLOPs and bytes on a device, the optimizer update), and the communication
-terms: the link that bounds a ring all-reduce (`_slowest_link`,
-`_cluster_link`) and the expert all-to-all (`_alltoall_time`).  The model
+terms: the link that bounds a ring all-reduce (`slowest_link`,
+`cluster_link`) and the expert all-to-all (`alltoall_time`).  The model
 these implement is described in `epl.planner.planner`'s docstring.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ _APPLY_OP_OF = {
 # --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Totals:
+class Totals:
     """Summed figures of some layers (per example or per step)."""
 
     flops: float
@@ -66,7 +66,7 @@ def _checkpointed(layers: Sequence[LayerSpec]) -> tuple[float, float]:
     return kept - split * ratio, split * ratio
 
 
-def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
+def layer_totals(layers: Sequence[LayerSpec], checkpointing: bool) -> Totals:
     """Sum `layers`; with checkpointing, add the recompute and cut activations."""
     def total(field: str) -> float:
         return float(sum(getattr(l, field) for l in layers))
@@ -85,7 +85,7 @@ def _totals(layers: Sequence[LayerSpec], checkpointing: bool) -> _Totals:
         "split_bytes_per_example")
     if checkpointing:  # the recomputed forward moves its bytes again
         traffic, split_traffic = traffic * 4 / 3, split_traffic * 4 / 3
-    return _Totals(
+    return Totals(
         flops=flops, bytes=traffic, act=act,
         params=total("parameter_bytes"),
         split_params=total("split_parameter_bytes"),
@@ -125,7 +125,7 @@ def optimizer_update_cost(parameter_bytes: float, dtype_bytes: int,
 
 
 @dataclasses.dataclass
-class _Context:
+class Context:
     """What every alternative's evaluation reads."""
 
     model: ModelSpec
@@ -174,7 +174,7 @@ class _Context:
         return self.time(device, cost.flops, cost.bytes)
 
 
-def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
+def slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
     """(bytes/s, "inter-node" or "intra-node") that bounds a ring all-reduce
     over `devices`.
 
@@ -198,8 +198,8 @@ def _slowest_link(devices: Sequence[ClusterDevice]) -> tuple[float, str]:
     return network, "inter-node"
 
 
-def _allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
-                    bandwidth: float, n: int | None = None) -> float:
+def allreduce_time(devices: Sequence[ClusterDevice], nbytes: float,
+                   bandwidth: float, n: int | None = None) -> float:
     """Seconds of one step's gradient all-reduce of `nbytes` over
     `devices` (a ring at `bandwidth`, `cm.comm_time`), with the copies
     around it: EPL fuses the gradients into one buffer (a concat in, a
@@ -242,8 +242,8 @@ def input_time(devices: Sequence[ClusterDevice], reads: int,
     return reads * profile.input_read_s + examples * profile.input_example_s
 
 
-def _alltoall_time(ctx: _Context, totals: _Totals, units: Sequence[int],
-                   batch: Sequence[int]) -> float:
+def alltoall_time(ctx: Context, totals: Totals, units: Sequence[int],
+                  batch: Sequence[int]) -> float:
     """Seconds of one step's expert all-to-all (every split layer's dispatch
     and combine, forward and backward); every device waits for all of it.
 
@@ -315,7 +315,7 @@ def pipelined_time(comm: float, compute: float, chunks: int,
         (chunks - 1) * chunk_latency
 
 
-def alltoall_chunk_latency(ctx: _Context, totals: _Totals) -> float:
+def alltoall_chunk_latency(ctx: Context, totals: Totals) -> float:
     """Seconds one more dispatch chunk costs per step in message latency:
     every chunked exchange (each split layer's dispatch, forward, and its
     gradient, backward) sends one more message to each of the n - 1 other
@@ -326,7 +326,7 @@ def alltoall_chunk_latency(ctx: _Context, totals: _Totals) -> float:
     return 2 * totals.alltoall_layers * (n - 1) * latency
 
 
-def exposed_alltoall_time(ctx: _Context, totals: _Totals, alltoall: float,
+def exposed_alltoall_time(ctx: Context, totals: Totals, alltoall: float,
                           expert: float, chunks: int | None = None
                           ) -> tuple[float, int]:
     """(seconds of the expert all-to-all not hidden behind expert compute,
@@ -334,7 +334,7 @@ def exposed_alltoall_time(ctx: _Context, totals: _Totals, alltoall: float,
     (None: the count of `MOE_CHUNK_CHOICES` with the least exposed time, the
     smallest on a tie).
 
-    `alltoall`: the step's whole exchange (`_alltoall_time`); `expert`: the
+    `alltoall`: the step's whole exchange (`alltoall_time`); `expert`: the
     slowest device's expert compute, which every device waits for.  The
     chunked share (`CHUNKED_ALLTOALL_SHARE`, the dispatch) pipelines with the
     expert op it feeds (`CHUNKED_EXPERT_SHARE` of the compute;
@@ -358,8 +358,8 @@ def exposed_alltoall_time(ctx: _Context, totals: _Totals, alltoall: float,
     return best
 
 
-def _per_example_time(ctx: _Context, device: ClusterDevice,
-                      totals: _Totals) -> float:
+def per_example_time(ctx: Context, device: ClusterDevice,
+                     totals: Totals) -> float:
     """Seconds per example of the replicated part on `device`."""
     seconds = ctx.time(device, totals.flops, totals.bytes)
     if seconds <= 0:  # a model with only split layers
@@ -367,8 +367,8 @@ def _per_example_time(ctx: _Context, device: ClusterDevice,
     return seconds if seconds > 0 else 1.0 / device.profile.flops(ctx.dtype)
 
 
-def _cluster_link(layout: DeviceLayout) -> tuple[float, str]:
-    """`_slowest_link` of every device of a cluster of several hosts, from
+def cluster_link(layout: DeviceLayout) -> tuple[float, str]:
+    """`slowest_link` of every device of a cluster of several hosts, from
     its device classes."""
     network = min(c.network.bandwidth for c in layout.classes)
     intra = [c.profile.intra_node_bandwidth for c in layout.classes
@@ -378,10 +378,10 @@ def _cluster_link(layout: DeviceLayout) -> tuple[float, str]:
     return network, "inter-node"
 
 
-def _ring_link(ctx: _Context) -> float:
-    """`_slowest_link` of the whole cluster, from its device classes."""
+def ring_link(ctx: Context) -> float:
+    """`slowest_link` of the whole cluster, from its device classes."""
     layout = ctx.devices
     if len(layout.hosts) == 1:
-        return _slowest_link([c.representative
-                              for c in layout.classes])[0]
-    return _cluster_link(layout)[0]
+        return slowest_link([c.representative
+                             for c in layout.classes])[0]
+    return cluster_link(layout)[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from epl.planner import balance, local
+from epl.planner import local, stage_cuts
 from epl.planner.plan import Plan, SplitPlan, make_local_plan, split_layout
 
 
@@ -77,12 +77,12 @@ def stage_speeds(num_stages: int, profiles: list | None) -> list[float] | None:
     None when there are no profiles or all stages get the same speed.
 
     The plan gives replica r the devices r*K .. r*K+K-1 and, within them, stage i
-    the i-th by memory (epl.planner.balance.stage_device_order).
+    the i-th by memory (epl.planner.stage_cuts.stage_device_order).
     """
     if not profiles or len(profiles) < num_stages:
         return None
     replicas = len(profiles) // num_stages
-    speeds = [min(profiles[r * num_stages + balance.stage_device_order(
+    speeds = [min(profiles[r * num_stages + stage_cuts.stage_device_order(
         [p.memory_bytes for p in profiles[r * num_stages:(r + 1) * num_stages]])[i]]
         .flops("float32") for r in range(replicas)) for i in range(num_stages)]
     if all(abs(s - speeds[0]) <= 1e-12 * speeds[0] for s in speeds):

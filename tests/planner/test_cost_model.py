@@ -9,6 +9,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from epl.errors import ConfigError
 from epl.planner import cost_model as cm
+from epl.planner import step_memory as sm
 from epl.planner.profiles import get_profile
 
 F32 = 4
@@ -265,10 +266,10 @@ def test_activation_bytes_of_a_two_layer_mlp():
     batch, d_in, hidden, classes = 8, 5, 7, 3
     with _graph() as graph:
         variables = _mlp(graph, batch, [d_in, hidden, classes])
-        (memory,) = cm.memory_estimate(graph, variables, "sgd").values()
-        halved = cm.memory_estimate(graph, variables, "sgd",
+        (memory,) = sm.memory_estimate(graph, variables, "sgd").values()
+        halved = sm.memory_estimate(graph, variables, "sgd",
                                     amp_dtype=tf.float16)[cm.ALL]
-        kinds = [t.op.type for t in cm.activation_tensors(graph)]
+        kinds = [t.op.type for t in sm.activation_tensors(graph)]
     # Kept for backward: the input x (for dW0 = x^T dy), the ReLU output
     # (for ReluGrad and dW1 = h^T dy) and the loss's softmax-minus-labels
     # backprop output.  Pre-activations and logits are not read backward.
@@ -290,7 +291,7 @@ def test_optimizer_slots_sgd_adam_and_zero():
         variables = _mlp(graph, 4, [6, 5, 2],
                          tf.compat.v1.train.AdamOptimizer())
         params = F32 * (6 * 5 + 5 + 5 * 2 + 2)
-        estimate = lambda opt, **kw: cm.memory_estimate(  # noqa: E731
+        estimate = lambda opt, **kw: sm.memory_estimate(  # noqa: E731
             graph, variables, opt, **kw)[cm.ALL]
         assert estimate("sgd").optimizer_slots == 0
         assert estimate("momentum").optimizer_slots == params
@@ -298,7 +299,7 @@ def test_optimizer_slots_sgd_adam_and_zero():
         assert estimate("AdamOptimizer").optimizer_slots == 2 * params
         assert estimate("adam", zero_shards=4).optimizer_slots == params / 2
         assert estimate("rmsprop").optimizer_slots == 2 * params
-        assert cm.memory_estimate(graph, None, "adagrad")[cm.ALL] \
+        assert sm.memory_estimate(graph, None, "adagrad")[cm.ALL] \
             .optimizer_slots == params  # the graph's trainable collection
         with pytest.raises(ConfigError, match="unknown optimizer 'lion'"):
             estimate("lion")
@@ -319,7 +320,7 @@ def test_memory_groups_by_taskgraph():
             loss = tf.reduce_sum(tf.matmul(h, w1))
         with _tagged(graph, "backward", "stage_1"):
             tf.compat.v1.gradients(loss, [w0, w1])
-        memory = cm.memory_estimate(graph, [w0, w1], "adam", cm.by_taskgraph)
+        memory = sm.memory_estimate(graph, [w0, w1], "adam", cm.by_taskgraph)
     assert memory["stage_0"].parameters == 3 * 6 * F32
     assert memory["stage_1"].parameters == 6 * 2 * F32
     assert memory["stage_0"].activations == (4 * 3 + 4 * 6) * F32
@@ -345,8 +346,8 @@ def test_checkpointing_keeps_sqrt_n_tensors_plus_one_segment():
             loss = tf.reduce_sum(h)
         with _tagged(graph, "backward"):
             tf.compat.v1.gradients(loss, variables)
-        full = cm.memory_estimate(graph, variables, "sgd")[cm.ALL]
-        kept = cm.memory_estimate(graph, variables, "sgd",
+        full = sm.memory_estimate(graph, variables, "sgd")[cm.ALL]
+        kept = sm.memory_estimate(graph, variables, "sgd",
                                   checkpointing=True)[cm.ALL]
     tensor = batch * width * F32
     assert full.activations == (layers + 1) * tensor  # x and 8 ReLU outputs
@@ -359,9 +360,9 @@ def test_untagged_graph_has_no_backward_phase_unless_phase_fn_says():
         loss = tf.reduce_sum(tf.matmul(_ph([2, 3]), w))
         forward_ops = set(graph.get_operations())
         tf.compat.v1.gradients(loss, [w])
-        memory = cm.memory_estimate(graph, [w], "sgd")[cm.ALL]
+        memory = sm.memory_estimate(graph, [w], "sgd")[cm.ALL]
         assert memory.activations == 0
-        by_fn = cm.memory_estimate(
+        by_fn = sm.memory_estimate(
             graph, [w], "sgd",
             phase_fn=lambda op: "forward" if op in forward_ops else "backward")
         assert by_fn[cm.ALL].activations == 2 * 3 * F32  # x, for dW

@@ -9,7 +9,8 @@ from epl import env
 from epl.errors import ClusterError
 from epl.planner import balance
 from epl.planner.balance import (balance_batch, balance_shards,
-                                 balance_stages, proportional_shares)
+                                 proportional_shares)
+from epl.planner.stage_cuts import balance_stages
 from epl.planner.planner import (LayerSpec, ModelSpec, PlanOptions,
                                  model_from_graph, plan_cluster,
                                  replica_weights_for_local_devices)
@@ -383,14 +384,14 @@ def test_alltoall_is_bound_by_the_slowest_host_network():
 
 
 def _alltoall(cluster, units, batch, alltoall_mb=64.0):
-    """_alltoall_time of one explicit placement and batch."""
+    """alltoall_time of one explicit placement and batch."""
     from epl.planner.search import _context
-    from epl.planner.step_cost import _alltoall_time, _totals
+    from epl.planner.step_cost import alltoall_time, layer_totals
     from epl.planner.profiles import parse_cluster
     model = _moe_model(alltoall_mb)
     ctx = _context(model, parse_cluster(cluster), "sgd", sum(batch),
                    PlanOptions())
-    return _alltoall_time(ctx, _totals(model.layers, False), units, batch)
+    return alltoall_time(ctx, layer_totals(model.layers, False), units, batch)
 
 
 def test_alltoall_follows_the_expert_placement():
@@ -480,7 +481,7 @@ def test_experts_without_work_of_their_own_are_placed_by_whole_examples():
 
 
 def test_expert_placements_run_from_even_to_proportional():
-    from epl.planner.search import _placement_path
+    from epl.planner.data_parallel import _placement_path
     path = _placement_path([2, 2, 2, 2], [3.0, 3.0, 1.0, 1.0])
     assert path[0] == [2, 2, 2, 2]
     assert all(sum(p) == 8 for p in path)
@@ -491,7 +492,7 @@ def test_expert_placements_run_from_even_to_proportional():
 
 
 def test_batches_tried_run_from_balanced_to_even_and_to_the_experts():
-    from epl.planner.search import _blended_batches
+    from epl.planner.data_parallel import _blended_batches
     batches = _blended_batches(16, [12, 4], [1, 3])
     assert batches[0] == [12, 4]                 # the balanced one first
     assert [8, 8] in batches and [4, 12] in batches  # even; follows experts
@@ -814,13 +815,13 @@ def test_pipelined_time_overlaps_comparable_comm_and_compute():
 def _chunk_ctx(cluster, latency=0.0):
     import dataclasses as dc
     from epl.planner.search import _context
-    from epl.planner.step_cost import _totals
+    from epl.planner.step_cost import layer_totals
     from epl.planner.profiles import parse_cluster
     model = _moe_model()
     ctx = _context(model, parse_cluster(cluster), "sgd", 64, PlanOptions())
     ctx.devices = [dc.replace(d, profile=dc.replace(
         d.profile, collective_latency_s=latency)) for d in ctx.devices]
-    return ctx, _totals(model.layers, False)
+    return ctx, layer_totals(model.layers, False)
 
 
 def test_chunking_helps_when_comm_and_compute_are_comparable():

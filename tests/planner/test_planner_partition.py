@@ -1,4 +1,4 @@
-"""The one stage-partition DP and the one stage order (epl.planner.balance)."""
+"""The one stage-partition DP and the one stage order (epl.planner.stage_cuts)."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from epl.errors import ClusterError
-from epl.planner import balance, plan
-from epl.planner.balance import min_max_partition, stage_device_order
+from epl.planner import plan, stage_cuts
+from epl.planner.stage_cuts import min_max_partition, stage_device_order
 
 
 def _brute(costs, stages, speeds, cuts, weights, fits):
@@ -109,9 +109,9 @@ def test_stage_device_order_memory_then_speed_then_index():
 
 
 def test_one_stage_device_order():
-    assert plan.stage_device_order is balance.stage_device_order
+    assert plan.stage_device_order is stage_cuts.stage_device_order
 
 
 def test_balance_stages_unchanged_on_ties():
-    cuts = balance.balance_stages([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    cuts = stage_cuts.balance_stages([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
     assert cuts.bounds == ((0, 1), (1, 2), (2, 4))

@@ -14,7 +14,8 @@ from tensorflow.python.ops import collective_ops
 from epl.observability import dump_format
 from epl.observability.dump_format import DumpError, load_graph_def, read_dump, write_pass_dump
 from epl.tools import dump as epl_dump
-from epl.tools.dump import find_collectives, main
+from epl.tools.dump import main
+from epl.tools.dump_graph import find_collectives
 
 REDUCE_0 = "allreduce_replica_0/CollectiveReduce"
 REDUCE_1 = "allreduce_replica_1/CollectiveReduce"

@@ -13,7 +13,8 @@ from epl.planner import balance
 from epl.planner.model_spec import LayerSpec, ModelSpec
 from epl.planner.planner import (DeviceLayout, PlanOptions, plan_cluster,
                                  size_text)
-from epl.planner.search import _alternatives, _context, _per_device_data_parallel
+from epl.planner.data_parallel import _per_device_data_parallel
+from epl.planner.search import _alternatives, _context
 from epl.planner.profiles import parse_cluster
 from epl.tools import plan as epl_plan
 

@@ -81,7 +81,7 @@ from epl.ir.graph_view import (VARIABLE_OP_TYPES, ancestors, descendants, find_b
 from epl.ir.record import GraphRecord
 from epl.ir.taskgraph import TaskGraph
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.planner import balance, cost_model
+from epl.planner import cost_model, stage_cuts
 from epl.planner.worker_planner import WorkerPlanner
 from epl.planner.profiles import get_profile
 
@@ -214,7 +214,7 @@ def _choose_cuts(costs: list[float], counts: list[int], fan_out: list[int], num_
     def solve(limit: int):
         if limit not in solved:
             allowed = [p for p in range(len(costs) - 1) if 0 < counts[p] <= limit]
-            bounds = balance.min_max_partition(
+            bounds = stage_cuts.min_max_partition(
                 costs, num_stages, speeds=speeds, allowed_cuts=[p + 1 for p in allowed],
                 cut_weights=[counts[p] for p in allowed])
             cuts = None if bounds is None else [end - 1 for _, end in bounds[:-1]]
@@ -224,7 +224,7 @@ def _choose_cuts(costs: list[float], counts: list[int], fan_out: list[int], num_
     def chosen(result) -> list[int]:
         time, allowed = result
         penalty = [(counts[p], -fan_out[p]) for p in range(len(costs))]
-        return balance.min_penalty_cuts(costs, allowed, penalty, num_stages, speeds,
+        return stage_cuts.min_penalty_cuts(costs, allowed, penalty, num_stages, speeds,
                                time * (1 + NEAR_TIE))
 
     bound = max(sum(costs) / sum(speeds or [1.0] * num_stages),
