@@ -20,7 +20,15 @@ So, for each such session (epl.hooks.session.early_sessions):
 3. in the new session every known variable's initializer runs, fed the value read
    in 1 where there is one (`Variable.load`'s way), in one `Session.run`: EPL's
    run hook then copies the written originals into their replicas' mirrors, and
-   initializers EPL attached to the model's (AMP's loss scale) run with them.
+   initializers EPL attached to the model's (AMP's loss scale) run with them;
+4. the iterators and tables the old session initialized (`ResourceLog`, kept while
+   it ran: tf-keras initializes a dataset's iterator before fit builds the step)
+   are initialized again, in the order it did. An iterator the old session also
+   read from after initializing it has a position the new session cannot take
+   over: it is left uninitialized there, so that a later read fails with
+   TensorFlow's "iterator has not been initialized" instead of restarting from
+   the first batch (tf-keras's `evaluate` of a dataset before `fit` reads an
+   iterator of its own, which it does not read again).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import dataclasses
 import tensorflow as tf
 from tensorflow.python.client import pywrap_tf_session as tf_session
 
+from epl.ir.graph_view import ancestors
 from epl.parallel import ParallelGraph, clean_construction_context
 
 
@@ -39,6 +48,53 @@ class SessionState:
 
     values: dict
     variables: list
+
+
+# Ops that initialize a resource other than a variable, and ops that read an
+# iterator (advance its position).
+RESOURCE_INIT_TYPES = frozenset({"MakeIterator", "InitializeTableV2", "InitializeTable",
+                                 "InitializeTableFromTextFileV2", "LookupTableImportV2"})
+ITERATOR_READ_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync",
+                                 "IteratorGetNextAsOptional"})
+
+
+class ResourceLog:
+    """What a session ran before the rewrite that a new session must run again: the
+    resource initializers (in order; each once, at its last run), and the iterators
+    read after their last initialization."""
+
+    def __init__(self):
+        self.inits: list = []
+        self.read_after_init: dict = {}   # iterator handle op -> the read op
+        self._cache: dict = {}
+
+    def note(self, ops: list) -> None:
+        """Note a run whose targets and fetches are `ops` (graph elements' ops)."""
+        key = tuple(op._id for op in ops)
+        found = self._cache.get(key)
+        if found is None:
+            above = ancestors(ops)
+            found = self._cache[key] = (
+                sorted((op for op in above if op.type in RESOURCE_INIT_TYPES),
+                       key=lambda o: o._id),
+                [op for op in above if op.type in ITERATOR_READ_TYPES])
+        inits, reads = found
+        for op in inits:
+            if op in self.inits:
+                self.inits.remove(op)
+            self.inits.append(op)
+            if op.type == "MakeIterator":
+                self.read_after_init.pop(op.inputs[1].op, None)
+        for op in reads:
+            self.read_after_init[op.inputs[0].op] = op
+
+    def replay(self, session) -> None:
+        """Run the noted initializers in `session`, in order, but those of iterators
+        read since (left uninitialized: their position is lost)."""
+        inits = [op for op in self.inits
+                 if op.type != "MakeIterator" or op.inputs[1].op not in self.read_after_init]
+        if inits:
+            session.run(inits)
 
 
 def known_variables(graph: tf.Graph, extra=()) -> list:
@@ -76,10 +132,12 @@ def read_state(session, variables: list) -> SessionState:
     return SessionState(dict(zip(live, values)), list(variables))
 
 
-def move_session(session, result: ParallelGraph, state: SessionState, callables=()) -> None:
+def move_session(session, result: ParallelGraph, state: SessionState, callables=(),
+                 resources: ResourceLog | None = None) -> None:
     """Replace `session`'s TensorFlow session by a new one on the rewritten graph and
-    load `state` into it (see the module docstring). `callables`: the `_Callable`s
-    made on the old one (their handles are released; they run through Session.run)."""
+    load `state` into it, then initialize again the `resources` it had initialized
+    (see the module docstring). `callables`: the `_Callable`s made on the old one
+    (their handles are released; they run through Session.run)."""
     config = result.session_config(session._config)
     options = tf_session.TF_NewSessionOptions(target=session._target, config=config)
     try:
@@ -98,6 +156,8 @@ def move_session(session, result: ParallelGraph, state: SessionState, callables=
     tf_session.TF_CloseSession(old)
     tf_session.TF_DeleteSession(old)
     load_state(session, state)
+    if resources is not None:
+        resources.replay(session)
 
 
 def load_state(session, state: SessionState) -> None:

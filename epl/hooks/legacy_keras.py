@@ -90,6 +90,7 @@ def _get_session(*args, **kwargs):
 def _make_train_function(self):
     if is_initialized() and not tf.executing_eagerly():
         _refuse_keras_optimizer(self)
+        _refuse_second_step(self)
     _ORIGINAL["make_train_function"](self)
     if not is_initialized() or tf.executing_eagerly():
         return
@@ -115,7 +116,8 @@ def _make_train_function(self):
     result = parallelize(graph, record)
     self.predict_function = None   # one made before reads replica 0's rows: rebuilt
     for session, state in zip(sessions, states):
-        late_rewrite.move_session(session, result, state, session_hooks.session_callables(session))
+        late_rewrite.move_session(session, result, state, session_hooks.session_callables(session),
+                                  session_hooks.session_resources(session))
 
 
 def _refuse_keras_optimizer(model) -> None:
@@ -143,6 +145,20 @@ def _refuse_keras_optimizer(model) -> None:
             "tf.compat.v1.train optimizer of the same algorithm, e.g. "
             "model.compile(optimizer=tf.compat.v1.train.AdamOptimizer(0.001), ...), or "
             "drop " + " and ".join(uses) + ".")
+
+
+def _refuse_second_step(model) -> None:
+    """compile called again after fit built and EPL rewrote the training step: the new
+    step would train replica 0's forward copy on its share of the batch only."""
+    if getattr(model, "train_function", None) is not None or not getattr(model, "outputs", None):
+        return
+    if session_hooks.parallel_graph(model.outputs[0].graph) is not None:
+        raise ParallelizeError(
+            "the model was compiled again after EPL parallelized its graph (fit built the "
+            "first training step): EPL rewrites one training step per graph, and a step "
+            "built after the rewrite would train one replica on its share of the batch. "
+            "Build and compile the model once, or rebuild it in a new graph "
+            "(tf.keras.backend.clear_session()) before compiling it again.")
 
 
 def _make_predict_function(self):

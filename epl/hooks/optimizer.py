@@ -23,6 +23,7 @@ import inspect
 import tensorflow as tf
 
 from epl.env import get_config, is_initialized
+from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
 from epl.ir.autodiff import inside_internal_autodiff, internal_autodiff
@@ -112,6 +113,12 @@ def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         return _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
     grads_and_vars = tuple(shard_pairs(grads_and_vars))
     graph = _graph_of(grads_and_vars)
+    if record_of(graph).parallelized:
+        raise ParallelizeError(
+            "Optimizer.apply_gradients was called on a graph EPL has already rewritten (its "
+            "first session, epl.parallelize, or tf-keras's fit): a training step built after "
+            "the rewrite would train one replica's copy on its share of the batch, not the "
+            "parallel model. Build every training step before the first session.")
     first = len(graph.get_operations())
     train_op = _ORIGINAL["apply_gradients"](self, grads_and_vars, global_step=global_step, name=name)
     _tag_new_ops(graph, first, Phase.APPLY)

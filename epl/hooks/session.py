@@ -37,6 +37,7 @@ import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
 from epl.env import CaptureStop, capturing
+from epl.hooks import late_rewrite
 from epl.hooks.record import record_of
 from epl.ir.consistency import varying_tensor
 from epl.ir.graph_view import ancestors, has_training_step
@@ -45,7 +46,7 @@ from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
 from epl.checkpoint import damage
-from epl.errors import CheckpointError, ParallelizeError
+from epl.errors import CheckpointError
 from epl.runtime import run_errors
 from epl.runtime.horovod_comm import collective_label
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
@@ -117,6 +118,22 @@ def early_sessions(graph: tf.Graph) -> list:
     return [s for s in _EARLY.pop(graph, ()) if not s._closed and s._session is not None]
 
 
+def session_resources(session) -> late_rewrite.ResourceLog | None:
+    """What `session` (opened before its graph was rewritten) initialized: see
+    epl.hooks.late_rewrite.ResourceLog; None if it ran nothing of that kind."""
+    return session.__dict__.get("_epl_resources")
+
+
+def _note_early_run(session, elements) -> None:
+    """Note a run of a session on a graph EPL has not rewritten (yet), for a later move."""
+    graph = session.graph
+    if graph not in _EARLY or session not in _EARLY[graph]:
+        return
+    ops = [_as_op(graph, element) for element in elements]
+    session.__dict__.setdefault("_epl_resources", late_rewrite.ResourceLog()).note(
+        [op for op in ops if op is not None])
+
+
 def session_callables(session) -> list:
     """The TensorFlow callables made on `session` (Session._make_callable_from_options)
     that still hold a handle."""
@@ -132,11 +149,6 @@ def _make_callable_from_options(self, callable_options):
         callable_ = _ORIGINAL["make_callable"](self, callable_options)
         _CALLABLES.setdefault(self, weakref.WeakSet()).add(callable_)
     else:
-        if callable_options.tensor_connection:
-            raise ParallelizeError(
-                "a callable with tensor connections (a tf-keras backend function fed from "
-                "symbolic tensors) cannot run on a graph EPL parallelized: feed arrays (or a "
-                "tf.data dataset) instead.")
         callable_ = object.__new__(session_lib.BaseSession._Callable)
         callable_._session, callable_._handle = self, None
     callable_._epl_options = callable_options
@@ -164,10 +176,21 @@ def _make_callable(self, fetches, feed_list=None, accept_options=False):
 def _callable_call(self, *args, **kwargs):
     options = self.__dict__.get("_epl_options")
     if options is None or self._handle is not None:
+        if options is not None:
+            _note_early_run(self._session, list(options.fetch) + list(options.target) + [
+                c.from_tensor for c in options.tensor_connection])
         return _ORIGINAL["callable_call"](self, *args, **kwargs)
     fetches = list(options.fetch)
-    values = self._session.run(fetches + list(options.target),
-                               feed_dict=dict(zip(options.feed, args)),
+    feeds = dict(zip(options.feed, args))
+    if options.tensor_connection:
+        # a tensor fed from another tensor's value in the same run (tf-keras feeds its
+        # inputs from a tf.data iterator's next element so): that value is fetched
+        # first, then fed like an array (on a parallel graph the fed batch is then cut
+        # among the units, as an array's is)
+        connections = list(options.tensor_connection)
+        drawn = self._session.run([c.from_tensor for c in connections])
+        feeds.update({c.to_tensor: value for c, value in zip(connections, drawn)})
+    values = self._session.run(fetches + list(options.target), feed_dict=feeds,
                                run_metadata=kwargs.get("run_metadata"))
     return values[:len(fetches)]
 
@@ -336,6 +359,8 @@ def _fetch_key(fetches):
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     result = parallel_graph(self.graph)
     if result is None:
+        if _EARLY:
+            _note_early_run(self, _leaves(fetches))
         return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
     cache = self.__dict__.setdefault("_epl_run_plans", {})
     key = (_fetch_key(fetches), len(result.graph.get_operations()))

@@ -276,3 +276,20 @@ def test_own_session_between_a_tf_keras_model_and_fit_is_refused_with_what_to_do
         "tf-keras (legacy Keras) model in graph mode: EPL parallelizes it when fit or "
         "train_on_batch builds the training step. Open your own session before building the "
         "model (tf.compat.v1.keras.backend.set_session), or leave the session to Keras.")
+
+
+def test_a_training_step_built_after_the_rewrite_is_refused():
+    """apply_gradients on a graph EPL already rewrote (a second train op built after the
+    first session): it would train one replica's copy on its share of the batch."""
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default():
+        with epl.replicate(1):
+            x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+            w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1], np.float32))
+            loss = tf.reduce_mean(tf.matmul(x, w))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.compat.v1.Session():
+            with pytest.raises(epl.ParallelizeError, match="already rewritten"):
+                tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
+    env.reset()

@@ -147,9 +147,13 @@ def compiled(model_name: str, use_epl: bool, stages: bool, optimizer: str = "ker
 
 def run(model_name: str, use_epl: bool, stages: bool, before_fit: str = "", epochs: int = 2,
         weights_in: str | None = None, reverse_batches: bool = False,
-        optimizer: str = "keras") -> dict:
-    """Build, compile and fit in a graph of its own; what the script sees."""
+        optimizer: str = "keras", dataset: bool = False) -> dict:
+    """Build, compile and fit in a graph of its own; what the script sees. `dataset`:
+    fit and evaluate take a tf.data dataset of the batches instead of arrays."""
     x, y = data(reverse_batches=reverse_batches)
+
+    def batches():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     x_predict = data()[0][:40]
     out = {}
     with tf.Graph().as_default():
@@ -162,12 +166,17 @@ def run(model_name: str, use_epl: bool, stages: bool, before_fit: str = "", epoc
         if before_fit == "get_weights":
             out["before"] = model.get_weights()
         elif before_fit == "evaluate":
-            out["before"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+            out["before"] = model.evaluate(batches(), verbose=0) if dataset else \
+                model.evaluate(x, y, batch_size=BATCH, verbose=0)
         elif before_fit == "predict":
             out["before"] = model.predict(x_predict, batch_size=BATCH, verbose=0)
-        history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+        if dataset:
+            history = model.fit(batches(), epochs=epochs, verbose=0)
+        else:
+            history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
         out["history"] = [history.history["loss"], history.history["accuracy"]]
-        out["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+        out["evaluate"] = model.evaluate(batches(), verbose=0) if dataset else \
+            model.evaluate(x, y, batch_size=BATCH, verbose=0)
         out["predict"] = model.predict(x_predict, batch_size=20, verbose=0)
         out["weights"] = model.get_weights()
         out["train_on_batch"] = model.train_on_batch(x[:BATCH], y[:BATCH])
@@ -238,6 +247,34 @@ def test_a_session_keras_opened_before_fit_is_moved_onto_the_parallel_graph(epl_
     epl_env(STRATEGIES["pipeline"])
     result = run("sequential", use_epl=True, stages=True, before_fit=before_fit)
     assert_same(result, reference, dict(rtol=RTOL, atol=ATOL), floor)
+
+
+@pytest.mark.parametrize("before_fit", ["", "evaluate"])
+def test_fit_on_a_dataset_matches_the_script_without_epl(epl_env, before_fit):
+    """fit (and evaluate before it) on a tf.data dataset: tf-keras feeds each batch
+    from the iterator's next element (a tensor connection), which EPL runs as a fed
+    batch; the iterator Keras initialized before fit built the step is initialized
+    again in the session on the rewritten graph."""
+    reference = run("sequential", use_epl=False, stages=False, dataset=True, before_fit=before_fit)
+    floor = noise_floor(reference, run("sequential", use_epl=False, stages=False, dataset=True,
+                                       before_fit=before_fit, reverse_batches=True))
+    epl_env(STRATEGIES["pipeline"])
+    result = run("sequential", use_epl=True, stages=True, dataset=True, before_fit=before_fit)
+    assert_same(result, reference, dict(rtol=RTOL, atol=ATOL), floor)
+
+
+def test_compiling_again_after_fit_is_refused(epl_env):
+    """A second compile after fit built (and EPL rewrote) the training step would train
+    replica 0's copy on its share of the batch: refused, saying what to do."""
+    epl_env(STRATEGIES["dp"])
+    x, y = data()
+    with tf.Graph().as_default():
+        model = compiled("sequential", use_epl=True, stages=False)
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        model.compile(optimizer=keras.optimizers.legacy.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with pytest.raises(epl.ParallelizeError, match="compiled again after EPL parallelized"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
 @pytest.mark.parametrize("direction", ["epl_to_plain", "plain_to_epl"])
