@@ -215,7 +215,6 @@ def rewrite(func_graph, state) -> None:
     config = get_config()
     cluster = local_cluster(config)
     _check_eager_devices(cluster.num_local_devices)
-    _refuse_unsupported(state, config)
     lowered = lower(func_graph)
     graph = lowered.graph
     record = _record_on(lowered, state, config)
@@ -267,19 +266,6 @@ def _in_user_terms(err: EPLError, lowered: Lowered, variables) -> EPLError:
     if "would hold a different value on each replica" in message:
         message = f"{message} {EAGER_REMEDY}"
     return type(err)(message)
-
-
-def _refuse_unsupported(state, config) -> None:
-    """What EPL cannot do for a traced step, refused before anything is built."""
-    keras = [step.updates_by for step in state.train_steps if step.updates_by]
-    if config.get("zero.level") and keras:
-        raise ParallelizeError(
-            f"zero.level {config.get('zero.level')!r} shards optimizers whose update is one op "
-            f"per variable (the tf.compat.v1.train optimizers: SGD, Momentum, Adam, Adagrad, "
-            f"RMSProp), but this step's updates come from {keras[0]}, which updates each "
-            "variable with several element-wise ops (its moments, then the variable). In a "
-            "tf.function step use tf.compat.v1.train.AdamOptimizer(...).apply_gradients(...) "
-            "(it runs eagerly too), or turn ZeRO off (zero.level '').")
 
 
 def _check_eager_devices(count: int) -> None:

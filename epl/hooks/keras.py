@@ -70,7 +70,6 @@ def _optimizer_apply(self, grads, trainable_variables=None):
     if step is not None and writes:
         with tf.control_dependencies(writes):
             step.train_op = tf.raw_ops.NoOp(name="EPL_KERAS_APPLY")
-        step.updates_by = f"keras.optimizers.{type(self).__name__}"
     return result
 
 

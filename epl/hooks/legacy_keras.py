@@ -38,7 +38,7 @@ import sys
 
 import tensorflow as tf
 
-from epl.env import get_config, is_initialized
+from epl.env import is_initialized
 from epl.errors import ParallelizeError
 from epl.ir.annotations import StrategyKind
 from epl.hooks import eager_scopes, late_rewrite, session as session_hooks
@@ -121,30 +121,24 @@ def _make_train_function(self):
 
 
 def _refuse_keras_optimizer(model) -> None:
-    """ZeRO and epl.split need the optimizer's update as tf.compat.v1.train optimizers
-    build it (per variable, recorded by epl.hooks.optimizer): a tf-keras optimizer
-    updates whole variables (a split one is sharded) and passes its gradients through
-    one IdentityN, which ZeRO cannot shard. Refused before the first step."""
+    """epl.split needs the optimizer's update as tf.compat.v1.train optimizers build it
+    (per variable, through apply_gradients, recorded by epl.hooks.optimizer, which
+    updates the shards): a tf-keras optimizer updates the whole split variable.
+    Refused before the first step."""
     from tf_keras.src.optimizers.legacy import optimizer_v2
     if not isinstance(getattr(model, "optimizer", None), optimizer_v2.OptimizerV2):
         return
     graph = model.outputs[0].graph if getattr(model, "outputs", None) else \
         tf.compat.v1.get_default_graph()
     record = record_of(graph, create=False)
-    uses = []
-    if get_config().get("zero.level"):
-        uses.append(f"zero.level {get_config().get('zero.level')!r}")
     if record is not None and any(tg.spec.kind == StrategyKind.SPLIT for tg in record.taskgraphs):
-        uses.append("epl.split")
-    if uses:
         raise ParallelizeError(
-            f"{' and '.join(uses)} with a tf-keras optimizer "
-            f"({type(model.optimizer).__name__}) in graph mode: EPL shards the update only "
-            "as a tf.compat.v1.train optimizer builds it (a tf-keras optimizer updates whole "
-            "variables through one IdentityN of every gradient). Compile with the "
-            "tf.compat.v1.train optimizer of the same algorithm, e.g. "
+            f"epl.split with a tf-keras optimizer ({type(model.optimizer).__name__}) in graph "
+            "mode: EPL updates a split variable's shards only as a tf.compat.v1.train "
+            "optimizer builds the update (a tf-keras optimizer updates the whole variable). "
+            "Compile with the tf.compat.v1.train optimizer of the same algorithm, e.g. "
             "model.compile(optimizer=tf.compat.v1.train.AdamOptimizer(0.001), ...), or "
-            "drop " + " and ".join(uses) + ".")
+            "drop epl.split.")
 
 
 def _refuse_second_step(model) -> None:

@@ -57,6 +57,3 @@ class TrainStep:
     from_gradients: bool = False
     # the train op was found in the graph (no hooked apply_gradients recorded it)
     derived_train_op: bool = False
-    # the optimizer class whose apply recorded the updates (Keras 3 optimizers,
-    # epl/hooks/keras.py), for what EPL refuses about them; None otherwise
-    updates_by: str | None = None

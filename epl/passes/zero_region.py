@@ -13,6 +13,8 @@ S = ceil(n / N) elements), or *global* (a scalar the same on every replica). The
 - a read of a trained variable: replica j's shard of its value (a slice of the
   replica's full copy); a read of its optimizer state: the replica's state shard;
 - element-wise ops (ELEMENTWISE_TYPES) on shards and scalars: the same op on shards;
+- an IdentityN (Keras optimizers pass all gradients through one): the same op on
+  shards, each output following its own input's param;
 - a sum over every element of a sharded tensor (`L2Loss`, `Sum` over all axes: the
   squared norms `clip_by_global_norm` adds): each replica's sum over its shard,
   all-reduced over the replicas and workers (DeepSpeed's clipping under ZeRO; the
@@ -46,6 +48,9 @@ ELEMENTWISE_TYPES = frozenset({
     "Reciprocal", "Tanh", "Sigmoid", "Identity", "Cast", "Floor", "Ceil", "Round", "SelectV2",
     "Select", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
     "LogicalOr", "LogicalNot", "IsFinite", "ZerosLike", "OnesLike", "ClipByValue", "AddN"})
+# Identities of several tensors at once (Keras optimizers pass their gradients through
+# one tf.identity_n): output i is input i, so output i follows input i's param.
+PASS_THROUGH_TYPES = frozenset({"IdentityN"})
 # Sums over every element: their shards' sums add up to the whole's.
 SUM_TYPES = frozenset({"L2Loss", "Sum"})
 _WRITE_VALUE = {"AssignVariableOp": "assign", "AssignAddVariableOp": "add",
@@ -151,6 +156,8 @@ def _param_of(op: tf.Operation, region: set, params: dict, owner: dict):
             found.add(gradient_of[id(tensor)])
         elif _reads(tensor.op) in owner:
             found.add(owner[_reads(tensor.op)])
+        elif tensor.op in region and tensor.op.type in PASS_THROUGH_TYPES:
+            stack.append(tensor.op.inputs[tensor.value_index])
         elif tensor.op in region and tensor.op.type not in SUM_TYPES:
             stack.extend(tensor.op.inputs)
     return found.pop() if len(found) == 1 else None
@@ -184,6 +191,10 @@ def _classify(ordered: list, params: dict, owner: dict, level: str) -> dict:
             continue   # global (or a sum of a shard: global once summed over replicas)
         elif op.type in _WRITE_VALUE or op.type.startswith("ResourceApply"):
             continue
+        elif op.type in PASS_THROUGH_TYPES:
+            for index, out in enumerate(op.outputs):
+                if inputs[index] is not None:
+                    sharded[out] = inputs[index]
         elif op.type in ELEMENTWISE_TYPES and len({_shape_of(p) for p in follows}) == 1 and all(
                 sharded.get(t) is not None or t.shape.rank == 0 for t in op.inputs):
             for out in op.outputs:

@@ -17,7 +17,7 @@ import tf2_oracle
 
 CASES = ["convnet:tensors:ga", "convnet:tensors:zero", "custom:iterator:dp",
          "custom:iterator:gpipe", "custom:iterator:zero", "transformer:iterator:gc",
-         "custom:tensors:amp"]
+         "custom:tensors:amp", "custom:iterator:zero_keras"]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,11 @@ def test_custom_loop_matches_single_device_training_on_the_units_batches(record,
     tf2_oracle.assert_matches(record, case, amp=case.endswith(":amp"))
 
 
-def test_zero_shards_the_optimizer_state(record):
-    """ZeRO's shards of the slots are EPL's own eager variables."""
-    state = [str(name) for name in record["custom:iterator:zero/state"]]
+@pytest.mark.parametrize("case", ["custom:iterator:zero", "custom:iterator:zero_keras"])
+def test_zero_shards_the_optimizer_state(record, case):
+    """ZeRO's shards of the slots are EPL's own eager variables (a tf.compat.v1.train
+    optimizer's, and a Keras 3 optimizer's)."""
+    state = [str(name) for name in record[f"{case}/state"]]
     assert any("shard_1" in name for name in state), state
 
 

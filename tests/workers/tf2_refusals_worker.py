@@ -3,8 +3,7 @@
     python tests/workers/tf2_refusals_worker.py [--late-init]
 
 Prints one `REFUSED <case>: <type>: <message>` line per case (a case that runs
-instead prints `RAN <case>`): ZeRO with a Keras 3 optimizer (Keras fit), and
-epl.split in a tf.function step; with --late-init, a step traced when TensorFlow
+instead prints `RAN <case>`): epl.split in a tf.function step; with --late-init, a step traced when TensorFlow
 ran an op before epl.init could create its devices.
 """
 from __future__ import annotations
@@ -36,14 +35,6 @@ def case(name: str, fn) -> None:
     else:
         print(f"RAN {name}", flush=True)
     env.reset()
-
-
-def zero_with_keras_optimizer() -> None:
-    epl.init(epl.Config({"cluster.virtual_devices": 2, "zero.level": "v1"}))
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(np.zeros((8, 4), np.float32), np.zeros(8, np.int64), batch_size=8, verbose=0)
 
 
 def split_in_a_step() -> None:
@@ -82,5 +73,4 @@ if __name__ == "__main__":
     if LATE:
         case("late_init", late_init)
     else:
-        case("zero_with_keras_optimizer", zero_with_keras_optimizer)
         case("split_in_a_step", split_in_a_step)

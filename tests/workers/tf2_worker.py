@@ -54,6 +54,8 @@ STRATEGIES = {
     "amp": ({"cluster.virtual_devices": 2, "amp.level": "O1", "amp.loss_scale": 256.0}, False,
             2, 1, "adam"),
     "zero": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, False, 2, 1, "v1_adam"),
+    # a Keras 3 optimizer: its update region (element-wise ops after one IdentityN) sharded
+    "zero_keras": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, False, 2, 1, "adam"),
 }
 
 
