@@ -155,6 +155,30 @@ def _refuse_second_step(model) -> None:
             "(tf.keras.backend.clear_session()) before compiling it again.")
 
 
+def _make_test_function(self):
+    """evaluate (and fit's validation) on a parallelized graph fetch the loss and metrics
+    the rewritten forward computes over every unit. Keras builds them anew when the
+    sample weighting differs from fit's (fit with sample_weight, validation without):
+    such a loss, built after the rewrite, would read one unit's rows. Refused."""
+    _ORIGINAL["make_test_function"](self)
+    function = getattr(self, "test_function", None)
+    result = session_hooks.parallel_graph(self.outputs[0].graph) if function is not None \
+        and getattr(self, "outputs", None) else None
+    if result is None:
+        return
+    late = [t for t in getattr(function, "outputs", []) if isinstance(t, tf.Tensor)
+            and t.graph is result.graph and t.op._id > result.ops_after_rewrite]
+    if late:
+        self.test_function = None
+        raise ParallelizeError(
+            f"evaluate (or fit's validation) needs {late[0].name}, a loss or metric Keras "
+            "built after EPL parallelized the graph (its sample weighting differs from "
+            "fit's: fit with sample_weight or class_weight, evaluate without), which would "
+            "read one replica's rows. Give the evaluation sample weights as fit had them "
+            "(validation_data=(x, y, sample_weight), evaluate(x, y, sample_weight=...)), or "
+            "evaluate a model built without EPL scopes from the saved weights.")
+
+
 def _make_predict_function(self):
     """predict on a parallelized graph: the model's forward built once more, after the
     rewrite, on the fed inputs (single-device, in inference mode, on the variables
@@ -204,6 +228,7 @@ def install() -> None:
     _ORIGINAL.update(get_session=backend._get_session,
                      make_train_function=training_v1.Model._make_train_function,
                      make_predict_function=training_v1.Model._make_predict_function,
+                     make_test_function=training_v1.Model._make_test_function,
                      new=base_layer.Layer.__new__, call=base_layer.Layer.__call__,
                      call_v1=base_layer_v1.Layer.__call__)
     base_layer.Layer.__new__ = staticmethod(functools.wraps(_ORIGINAL["new"])(_layer_new))
@@ -216,3 +241,5 @@ def install() -> None:
         _ORIGINAL["make_train_function"])(_make_train_function)
     training_v1.Model._make_predict_function = functools.wraps(
         _ORIGINAL["make_predict_function"])(_make_predict_function)
+    training_v1.Model._make_test_function = functools.wraps(
+        _ORIGINAL["make_test_function"])(_make_test_function)

@@ -418,3 +418,39 @@ def test_batch_norm_convnet_matches_training_on_each_replicas_rows(epl_env):
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         weights = model.get_weights()
     assert_same({"weights": weights}, {"weights": reference}, dict(rtol=RTOL, atol=ATOL), floor)
+
+
+def _fit_weighted(use_epl: bool, validation_weights: bool, reverse_batches: bool = False) -> dict:
+    """fit with sample weights, validation data and a learning-rate schedule."""
+    x, y = data()
+    weights = np.random.RandomState(5).rand(ROWS).astype(np.float32)
+    if reverse_batches:   # the same training: the reference's noise floor
+        order = np.arange(ROWS).reshape(-1, BATCH)[:, ::-1].ravel()
+        x, y, weights = x[order], y[order], weights[order]
+    split = ROWS * 3 // 4
+    validation = (x[split:], y[split:]) + ((weights[split:],) if validation_weights else ())
+    with tf.Graph().as_default():
+        model = compiled("sequential", use_epl, stages=use_epl)
+        history = model.fit(x[:split], y[:split], sample_weight=weights[:split],
+                            batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            validation_data=validation,
+                            callbacks=[keras.callbacks.LearningRateScheduler(
+                                lambda epoch, lr: lr * 0.5)])
+        return {"history": [history.history[key] for key in sorted(history.history)],
+                "weights": model.get_weights()}
+
+
+def test_sample_weights_validation_and_a_schedule_match_the_script_without_epl(epl_env):
+    reference = _fit_weighted(False, True)
+    floor = noise_floor(reference, _fit_weighted(False, True, reverse_batches=True))
+    epl_env(STRATEGIES["pipeline"])
+    result = _fit_weighted(True, True)
+    assert_same(result, reference, dict(rtol=RTOL, atol=ATOL), floor)
+
+
+def test_validation_weighted_unlike_fit_is_refused(epl_env):
+    """fit with sample weights, validation without: Keras builds the validation loss
+    after the rewrite, on one replica's rows; refused, saying what to give."""
+    epl_env(STRATEGIES["pipeline"])
+    with pytest.raises(epl.ParallelizeError, match="validation_data=\\(x, y, sample_weight\\)"):
+        _fit_weighted(True, False)
