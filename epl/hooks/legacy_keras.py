@@ -21,13 +21,19 @@ before `fit`). The hooks:
   (tf.GraphKeys.METRIC_VARIABLES, as in eager mode, epl/hooks/function.py), the
   layers' updates (`add_update`: batch norm's moving statistics) join
   tf.GraphKeys.UPDATE_OPS, as tf.compat.v1.layers' do (batch_norm.moving_statistics
-  chooses their value), the graph is parallelized, and each session opened before is moved onto the rewritten
-  graph with its variables' values (epl/hooks/late_rewrite.py).
+  chooses their value), the graph is parallelized, and each session opened before
+  is moved onto the rewritten graph with its variables' values
+  (epl/hooks/late_rewrite.py). A tf-keras optimizer with `epl.split`, and a second
+  training step (compile again after fit), are refused before they train.
+- `Model._make_predict_function`: on a parallelized graph, predict is the model's
+  forward built once more after the rewrite (single-device, inference mode).
+- `Model._make_test_function`: evaluate fetches the loss and metrics of the
+  rewritten forward (every unit's); one Keras builds after the rewrite (weighted
+  unlike fit) is refused.
 
 Keras's backend functions run through callables, which EPL runs through
 `Session.run` (epl.hooks.session), so fetches, feeds and the mirrors' sync are the
-same as a session script's. What each function computes is in docs (the support
-matrix of "TensorFlow 2 programs").
+same as a session script's. What each function computes: docs/tf2.md.
 """
 from __future__ import annotations
 
