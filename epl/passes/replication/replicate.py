@@ -125,10 +125,12 @@ class ReplicatePass(GraphPass):
         checkpoints = recompute.checkpoints if recompute is not None else {}
         # inputs before readers: creation order is not enough once autodiff added inputs
         # to a forward op (v2 control flow's gradient gives the forward While the
-        # accumulators of its intermediates)
+        # accumulators of its intermediates; a traced step's updates read the Identity ops
+        # that replaced a Keras optimizer's IdentityN, made after them)
         forward = topological_order(
             [op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD])
-        apply_ops = [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY]
+        apply_ops = topological_order(
+            [op for op in view.replica_ops if view.phase_of[op] == Phase.APPLY])
         devices = {op: plan.device(view.taskgraph_of[op], 0) for op in view.replica_ops}
         _place(graph, view, plan)
         unit_inputs = batch_inputs.build_unit_inputs(view, plan, micro, mode, ctx.communicator,
