@@ -151,14 +151,17 @@ def config_of(record: GraphRecord):
     return config
 
 
-def run_gradient_time_pipeline(graph: tf.Graph, record: GraphRecord, loss: tf.Tensor) -> None:
+def run_gradient_time_pipeline(graph: tf.Graph, record: GraphRecord, loss: tf.Tensor,
+                               captured: dict | None = None) -> None:
     """Run `gradient_time_pipeline` on `graph` (its record `record`, its loss `loss`);
     called by the optimizer hooks (epl.hooks.optimizer) when the graph has split
-    TaskGraphs not split yet. The split pass's records go into the record."""
+    TaskGraphs not split yet, and by the tape hook of a traced tf.function step
+    (epl.hooks.function; `captured`: its eager variables, SplitInputs). The split
+    pass's records go into the record."""
     config = config_of(record)
     cluster = local_cluster(config)
     ctx = PassContext(cluster, make_communicator(cluster, config),
-                      inputs=(record, WorkerPlanner(cluster, config), SplitInputs(loss)))
+                      inputs=(record, WorkerPlanner(cluster, config), SplitInputs(loss, captured)))
     fallback = record.taskgraphs[0].name
     with graph.as_default(), internal_autodiff():
         PassManager(gradient_time_pipeline(config), _instruments(config), ctx.available,

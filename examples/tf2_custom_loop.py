@@ -1,23 +1,23 @@
-"""A TensorFlow 2 custom training loop under EPL: a tf.function step, a pipelined classifier.
+"""A TensorFlow 2 custom training loop under EPL: a tf.function step, a split classifier.
 
 An ordinary eager TensorFlow 2 program, as the Keras guide "Writing a training
 loop from scratch" writes one: a Keras 3 model, a Keras optimizer, a
 `@tf.function` step with `tf.GradientTape` and `optimizer.apply`, the batches
 drawn from a tf.data iterator inside the step, and a `tf.train.CheckpointManager`.
-The only EPL lines are `epl.init` and two `epl.replicate` scopes around the
-construction of the layers: the feature extractor (stage 0) and a wide
-classifier (stage 1), pipelined with `pipeline.num_micro_batch` micro-batches;
-with 4 devices there are two pipelines.
+The only EPL lines are `epl.init` and two scopes around the construction of the
+layers: the feature extractor under `epl.replicate` (data parallelism: one
+replica per device) and the wide classifier under `epl.split` (tensor
+parallelism: its 1000 classes cut over the devices; the logits are never
+gathered, the softmax cross-entropy is computed from the devices' parts).
 
 The batch contract of a step that draws from an iterator: the script's batch
-(`--batch`) is one micro-batch of one pipeline, and each call of the step draws
-pipelines x micro-batches of them, so one call trains on that many batches (the
-printed loss is the mean over all of them). The checkpoint holds the model's own
-variables under their single-device names: `--restore` loads it into the same
-model built without EPL and checks the values.
-
-A classifier split over devices (`epl.split`) is refused in eager TensorFlow 2
-(docs/tf2.md): split it in a graph-mode program.
+(`--batch`) is one replica's micro-batch, and each call of the step draws
+replicas x micro-batches of them, so one call trains on that many batches (the
+printed loss is the mean over all of them). In an eager program the split
+classifier's weights stay the model's own variables (the split devices read
+slices of them; docs/tf2.md), and the checkpoint holds them under their
+single-device names: the script loads it into the same model built without EPL
+and checks the values.
 
     python examples/tf2_custom_loop.py [--steps 40] [--batch 32] [--devices 4] [--ckpt DIR]
 """
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32, help="one micro-batch of one pipeline")
     parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (CPU only)")
-    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--ckpt", help="checkpoint directory (default: a temporary one)")
     return parser.parse_args(argv)
@@ -62,18 +62,16 @@ def synthetic_dataset(batch: int, seed: int = 0) -> tf.data.Dataset:
     return data.shuffle(20000, seed=seed).repeat().batch(batch, drop_remainder=True)
 
 
-def build_model(keras, use_epl: bool):
-    """Feature extractor and classifier, each under its stage's scope when `use_epl`."""
-    def scope(name):
-        return epl.replicate(device_count=1, name=name) if use_epl else _nothing()
+def build_model(keras, use_epl: bool, devices: int = 1):
+    """Feature extractor (data-parallel) and classifier (split over `devices`) under
+    their scopes when `use_epl`."""
     keras.utils.set_random_seed(0)
-    with scope("features"):
+    with epl.replicate(device_count=1, name="features") if use_epl else _nothing():
         body = [keras.layers.Dense(HIDDEN, activation="relu"),
-                keras.layers.Dense(HIDDEN, activation="relu")]
-    with scope("classifier"):
-        head = [keras.layers.LayerNormalization(), keras.layers.Dense(CLASSES)]
-    model = keras.Sequential([keras.Input((FEATURES,))] + body + head)
-    return model
+                keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.LayerNormalization()]
+    with epl.split(device_count=devices, name="classifier") if use_epl else _nothing():
+        head = keras.layers.Dense(CLASSES)
+    return keras.Sequential([keras.Input((FEATURES,))] + body + [head])
 
 
 class _nothing:
@@ -90,12 +88,13 @@ def main(argv=None) -> None:
     epl.init(epl.Config({"debug.log_level": "INFO", "cluster.virtual_devices": args.devices,
                          "pipeline.num_micro_batch": args.micro_batches}))
     import keras
-    pipelines = max(1, epl.Env.get().cluster.gpu_num_per_worker // 2)
-    units = pipelines * args.micro_batches
+    devices = epl.Env.get().cluster.gpu_num_per_worker
+    units = devices * args.micro_batches
     print(f"tf2_custom_loop: {args.steps} steps, each {units} batches of {args.batch} "
-          f"({pipelines} pipeline(s) x {args.micro_batches} micro-batches, 2 stages)", flush=True)
+          f"({devices} replica(s) x {args.micro_batches} micro-batches; the classifier split "
+          f"over {devices} devices)", flush=True)
 
-    model = build_model(keras, use_epl=True)
+    model = build_model(keras, use_epl=True, devices=devices)
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(model.trainable_variables)   # its slots exist before the first call
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

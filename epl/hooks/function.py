@@ -44,6 +44,7 @@ the step's whole batch, cut into R x M units. Both: refused unless global.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -59,7 +60,7 @@ from epl.env import get_config, is_initialized
 from epl.errors import ClusterError, EPLError, ParallelizeError
 from epl.hooks import keras as keras_hooks
 from epl.ir import graph_mutation
-from epl.ir.annotations import PHASE_ATTR, Phase, StrategyKind
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase, StrategyKind
 from epl.ir.autodiff import inside_internal_autodiff
 from epl.ir.func_graph import (IMPORT_SCOPE, WRITE_TYPES_PREFIXES, Lowered, captured_variables, lower,
                                raise_into, writes_captured_variable)
@@ -68,10 +69,12 @@ from epl.ir.graph_view import (ITERATOR_OUTPUT_TYPES, PLACEHOLDER_TYPES, ancesto
 from epl.hooks.record import record_of
 from epl.ir.record import GraphRecord
 from epl.ir.taskgraph import TrainStep
-from epl.parallel import parallelize
+from epl.parallel import parallelize, run_gradient_time_pipeline
 from epl.passes import gradient_flow
 from epl.passes.replication.forward_state import order_forward_state
 from epl.passes.replication.inputs import GLOBAL_MODE, REPLICA_MODE, batch_mode
+from epl.passes.split.layouts import SplitRecord
+from epl.passes.split.split import CapturedSplitVariable
 from epl.runtime import eager_state
 from epl.runtime.cluster import local_cluster
 from epl.runtime.communicators import make_communicator
@@ -93,9 +96,9 @@ def _tape_gradient(self, target, sources, output_gradients=None,
         return _ORIGINAL["gradient"](self, target, sources, output_gradients,
                                      unconnected_gradients)
     keras_hooks.install()   # the optimizer's apply that follows (a Keras imported late)
-    _refuse_split(record_of(graph, create=False))
     flat_sources = [_as_tf_variable(s) for s in tf.nest.flatten(sources)]
     targets = tf.nest.flatten(target)
+    _split_before_autodiff(graph, targets, flat_sources)
     grad_ys = None if output_gradients is None else tf.nest.flatten(output_gradients)
     grads = tf.compat.v1.gradients(targets if len(targets) > 1 else targets[0], flat_sources,
                                    grad_ys=grad_ys, colocate_gradients_with_ops=True,
@@ -103,19 +106,44 @@ def _tape_gradient(self, target, sources, output_gradients=None,
     return tf.nest.pack_sequence_as(sources, grads)
 
 
-def _refuse_split(record) -> None:
-    """epl.split in a traced step: refused before its gradients are built (below)."""
-    split = [tg.spec.describe() for tg in (record.taskgraphs if record else ())
-             if tg.spec.kind == StrategyKind.SPLIT]
-    if split:
+def _split_before_autodiff(graph, targets: list, sources: list) -> None:
+    """epl.split in a traced step: run the split pass on the finished forward, before
+    its gradients are built (as graph mode does at compute_gradients). The step's
+    variables are the user's eager variables, captured: the pass reads each that a
+    rule needs sharded whole and cuts its value onto the split devices (slice mode,
+    epl.passes.split.split.CapturedSplitVariable), so the layer's compute,
+    activations and gradients are split, and the variable, its whole gradient and
+    its optimizer state stay the user's."""
+    record = record_of(graph, create=False)
+    if record is None or not record.unsplit_taskgraphs():
+        return
+    if len(targets) != 1:
         raise ParallelizeError(
-            f"{', '.join(split)} is used in a tf.function training step, which EPL does not "
-            "split in eager TensorFlow 2: the split pass turns the layer's variables into "
-            "shards on their devices, and the model's eager variables (which Keras, the "
-            "optimizer and checkpoints hold) cannot become shards. Train that part with "
-            "epl.replicate (data or pipeline parallelism), or split it in a graph-mode "
-            "program (tf.compat.v1.disable_eager_execution(), a tf.compat.v1 or tf-keras "
-            "graph), where epl.split shards dense, embedding, softmax and expert layers.")
+            f"the tf.function training step takes the gradient of {len(targets)} targets "
+            "with epl.split in the model: the split pass rewrites the forward of one loss. "
+            "Sum the losses into one tensor before tape.gradient.")
+    names = {id(v.handle): v.name.split(":")[0] for v in list(graph.variables) + sources
+             if getattr(v, "handle", None) is not None}
+    captured = {}
+    for name, variable in captured_variables(graph).items():
+        op = graph.get_operation_by_name(name)
+        captured[op] = CapturedSplitVariable(op, names.get(id(variable.handle), name),
+                                             variable.dtype, variable.shape, variable.device)
+    with _tensors_by_identity():
+        run_gradient_time_pipeline(graph, record, targets[0], captured)
+
+
+@contextlib.contextmanager
+def _tensors_by_identity():
+    """Tensors of a function being traced compare and hash by identity, as a plain
+    graph's do (the passes key their tables by tensor); TensorFlow makes them
+    unhashable, with elementwise ==, while a FuncGraph is built."""
+    saved = tf.Tensor._USE_EQUALITY
+    tf.Tensor._USE_EQUALITY = False
+    try:
+        yield
+    finally:
+        tf.Tensor._USE_EQUALITY = saved
 
 
 def _as_tf_variable(source):
@@ -218,6 +246,7 @@ def rewrite(func_graph, state) -> None:
     lowered = lower(func_graph)
     graph = lowered.graph
     record = _record_on(lowered, state, config)
+    _unbundle_identity_n(graph, record)
     record.forward_writes = _forward_state_writes(lowered, record)
     _join_forward_state(lowered, record, func_graph.variables)
     mode = batch_mode_of(record, config)
@@ -286,6 +315,7 @@ def _record_on(lowered: Lowered, state, config) -> GraphRecord:
     target = GraphRecord(config=config)
     for taskgraph in state.taskgraphs:
         target.add_taskgraph(taskgraph.spec)
+    target.splits.extend(_lowered_split(lowered, split) for split in state.splits)
     handles = {id(v.handle): name for name, v in lowered.variables.items()}
     for step in state.train_steps:
         pairs = []
@@ -305,9 +335,55 @@ def _record_on(lowered: Lowered, state, config) -> GraphRecord:
                 recorded.train_op = tf.group(*updates, name="EPL_TRAIN_STEP")
             graph_mutation.set_attr(recorded.train_op, PHASE_ATTR,
                                     tf.compat.v1.AttrValue(s=Phase.APPLY.value.encode()))
+            replicated = [tg for tg in target.taskgraphs if tg.spec.kind != StrategyKind.SPLIT]
+            if replicated and len(replicated) < len(target.taskgraphs):
+                # the group of every replica's update belongs to a replicated TaskGraph
+                # (copied per replica, each copy chained to it), not to the latest
+                # TaskGraph among its updates, which may be a split one (run once)
+                graph_mutation.set_attr(recorded.train_op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(
+                    s=replicated[0].name.encode()))
             recorded.derived_train_op = step.train_op is None
         target.train_steps.append(recorded)
     return target
+
+
+def _unbundle_identity_n(graph: tf.Graph, record: GraphRecord) -> int:
+    """Replace each IdentityN the gradients pass through (a Keras 3 optimizer's apply
+    passes all of them through one) by one Identity per tensor: the same values, but
+    each update then reads its own gradient's op, so it belongs to its variable's
+    TaskGraph (epl.ir.graph_view resolves an op's TaskGraph from its inputs' ops;
+    through one IdentityN every update would take the latest TaskGraph of all the
+    gradients, a split one's: run once, for every replica). Returns how many."""
+    flat = [t for step in record.train_steps for t in _flat_gradients(step)]
+    bundles = [op for op in descendants(flat) if op.type == "IdentityN"]
+    for op in sorted(bundles, key=lambda o: o._id):
+        attrs = {k: v for k, v in op.node_def.attr.items() if k.startswith("_epl")}
+        with graph.as_default(), graph._attr_scope(attrs), tf.device(op.device), \
+                graph.name_scope(None), tf.control_dependencies(op.control_inputs):
+            singles = [tf.identity(t, name=f"{op.name}_{i}") for i, t in enumerate(op.inputs)]
+        for output, single in zip(op.outputs, singles):
+            graph_mutation.rewire_consumers(output, single)
+    return len(bundles)
+
+
+def _lowered_split(lowered: Lowered, split: SplitRecord) -> SplitRecord:
+    """The split pass's record of a TaskGraph of the trace, on the lowered graph. Its
+    variables stay the user's (slice mode): none was replaced by shards. Each
+    variable it sliced is tagged with the split TaskGraph in the lowered graph, so
+    that the analysis takes it for a split variable (updated once, not mirrored)."""
+    tensor, op = lowered.tensor, lowered.op
+    for sharded in split.sliced:
+        graph_mutation.set_attr(lowered.graph.get_operation_by_name(sharded), TASKGRAPH_ATTR,
+                                tf.compat.v1.AttrValue(s=split.taskgraph.encode()))
+    return SplitRecord(
+        split.taskgraph, split.plan,
+        slicers={tensor(t): dataclasses.replace(s, source=tensor(s.source))
+                 for t, s in split.slicers.items()},
+        gathers={tensor(t): ([tensor(p) for p in parts], axis)
+                 for t, (parts, axis) in split.gathers.items()},
+        replaced={op(o) for o in split.replaced}, ops=[op(o) for o in split.ops],
+        fallbacks=list(split.fallbacks), unsharded=list(split.unsharded),
+        sliced=list(split.sliced))
 
 
 def _lowered_gradient(lowered: Lowered, grad):

@@ -109,8 +109,9 @@ class ConsistencyPass(GraphPass):
         first = len(graph.get_operations())
         replicas = len(replication.replica_maps)
         rewired = 0
+        once = set(view.split_ops)
         for decision in writes.of_kind(WriteKind.MERGED_INPUTS):
-            rewired += _read_merged(decision, replication, replicas)
+            rewired += _read_merged(decision, replication, replicas, once)
         clean = [_move_statistic(d, replication, replicas, ctx.communicator,
                                  self.options.moving_statistics)
                  for d in writes.of_kind(WriteKind.MOVING_STATISTIC)]
@@ -137,12 +138,25 @@ def _replicas_of(decision, replicas: int) -> range:
     return range(replicas) if decision.in_step else range(1)
 
 
-def _read_merged(decision, replication: Replication, replicas: int) -> int:
+def _read_merged(decision, replication: Replication, replicas: int, once: set) -> int:
     """Each replica's copies of the decision's cone read the merged tensors; returns
-    how many inputs were rewired."""
+    how many inputs were rewired. once: the split ops the replicate pass did not copy
+    (they run once, over the global batch): their tensors are the merged values."""
     count = 0
     for tensor in decision.merged:
         merged = replication.merged.get(tensor)
+        if merged is None and tensor.op in once and replication.copy_in(tensor, (0, 0)) is None:
+            if decision.in_step and replicas > 1 and replication.replica_op(decision.op, 1) is None:
+                raise ParallelizeError(
+                    f"variable {decision.variable.name} is written by {decision.op.name} "
+                    f"({decision.op.type}) from {tensor.name}, which the split part (epl.split) "
+                    "computes once over the global batch, while the step's other updates run "
+                    f"on each of the {replicas} replicas: a metric's total and its count would "
+                    "then add up different numbers of terms. Update the state from a value "
+                    "computed under an epl.replicate scope, or, where the step draws its "
+                    "batch itself (a tf.data iterator, an input pipeline), use io.batch_mode "
+                    "'replica' (each replica then runs the split part on its own batch).")
+            continue
         if merged is None:
             raise PassError(f"{decision.op.name} reads {tensor.name}, which the replicate pass "
                             "did not merge; this is an EPL bug, please report it")

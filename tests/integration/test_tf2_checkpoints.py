@@ -31,15 +31,24 @@ def test_eager_refusals_say_why_and_what_to_use_instead():
     output = tf2_oracle.run_worker("tf2_refusals_worker.py", [])
     lines = {line.split(":")[0]: line for line in output.splitlines()
              if line.startswith(("REFUSED", "RAN"))}
-    assert lines["REFUSED split_in_a_step"] == (
-        "REFUSED split_in_a_step: ParallelizeError: epl.split(device_count=2, "
-        "name='classifier') is used in a tf.function training step, which EPL does not split "
-        "in eager TensorFlow 2: the split pass turns the layer's variables into shards on "
-        "their devices, and the model's eager variables (which Keras, the optimizer and "
-        "checkpoints hold) cannot become shards. Train that part with epl.replicate (data or "
-        "pipeline parallelism), or split it in a graph-mode program "
-        "(tf.compat.v1.disable_eager_execution(), a tf.compat.v1 or tf-keras graph), where "
-        "epl.split shards dense, embedding, softmax and expert layers.")
+    assert lines["REFUSED split_embedding_in_a_step"] == (
+        "REFUSED split_embedding_in_a_step: PassError: pass 'split' failed (passes run before "
+        "it: none): the embedding lookup sequential_1/tokens_1/GatherV2 reads table "
+        "sequential/tokens/embeddings (shape [10, 4]) under epl.split (vocabulary) in a "
+        "tf.function training step, which EPL does not split in eager TensorFlow 2: there the "
+        "table stays the user's whole variable, so a split lookup would give it a dense "
+        "gradient where single-device training gives IndexedSlices, and Keras optimizers "
+        "update the two differently. Build the Embedding outside epl.split (data-parallel), "
+        "or split it in a graph-mode program (tf.compat.v1.disable_eager_execution()), where "
+        "the table becomes shards.")
+    refused = lines["REFUSED split_loss_metric_in_a_custom_fit"]
+    assert refused.startswith("REFUSED split_loss_metric_in_a_custom_fit: PassError: pass "
+                              "'consistency' failed"), refused
+    for part in ("variable loss/total is written by", "which the split part (epl.split) "
+                 "computes once over the global batch, while the step's other updates run on "
+                 "each of the 2 replicas", "Update the state from a value computed under an "
+                 "epl.replicate scope"):
+        assert part in refused, refused
 
 
 def test_devices_created_too_late_are_refused_with_the_fix():

@@ -5,7 +5,9 @@ GradientTape and the optimizer's apply, on the models of tests/workers/tf2_model
 "tensors": the step takes the global batch as arguments (EPL cuts it into
 replicas x micro-batches); "iterator": the step draws from a tf.data iterator
 (each unit draws its own batch of the script's size, R x M per call). ZeRO runs
-with tf.compat.v1.train.AdamOptimizer (one update op per variable). After 3
+with tf.compat.v1.train.AdamOptimizer (one update op per variable); "split" builds
+the classifier under epl.split(2) (the custom model's body under epl.replicate,
+the transformer's unscoped). After 3
 calls every variable and the running loss equal single-device training on the
 units' batches (tests/tf2_oracle.py). All cases run in one Keras 3 process.
 """
@@ -17,7 +19,8 @@ import tf2_oracle
 
 CASES = ["convnet:tensors:ga", "convnet:tensors:zero", "custom:iterator:dp",
          "custom:iterator:gpipe", "custom:iterator:zero", "transformer:iterator:gc",
-         "custom:tensors:amp", "custom:iterator:zero_keras"]
+         "custom:tensors:amp", "custom:iterator:zero_keras", "custom:iterator:split",
+         "custom:tensors:split", "transformer:tensors:split"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,17 @@ def test_zero_shards_the_optimizer_state(record, case):
     optimizer's, and a Keras 3 optimizer's)."""
     state = [str(name) for name in record[f"{case}/state"]]
     assert any("shard_1" in name for name in state), state
+
+
+@pytest.mark.parametrize("case", ["custom:iterator:split", "custom:tensors:split",
+                                  "transformer:tensors:split"])
+def test_split_classifier_runs_on_both_devices(record, case):
+    """epl.split in a traced step: the classifier's matmul and the softmax cross-entropy
+    run as per-device ops, one per split device (the logits never gathered)."""
+    ops = {str(line) for line in record[f"{case}/split_ops"]}
+    for slot, device in ((0, "/device:CPU:0"), (1, "/device:CPU:1")):
+        assert f"MatMul {slot} {device}" in ops, sorted(ops)
+        assert f"Exp {slot} {device}" in ops, sorted(ops)
 
 
 def test_tf_module_with_hand_written_updates_and_a_retrace():

@@ -28,8 +28,8 @@ def test_keras_fit_example_trains_two_pipelines():
 
 def test_tf2_custom_loop_example_restores_its_checkpoint_single_device(tmp_path):
     output = _run(os.path.join(EXAMPLES, "tf2_custom_loop.py"),
-                  ["--steps", "3", "--log-every", "1", "--ckpt", str(tmp_path)])
-    assert "2 replicas x 2 stages (features, classifier), 2 micro-batches per step" in output
+                  ["--steps", "3", "--log-every", "1", "--devices", "2", "--ckpt", str(tmp_path)])
+    assert "split groups: classifier over CPU:0, CPU:1" in output
     assert "restored into a single-device model: same values" in output
 
 

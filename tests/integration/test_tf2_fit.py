@@ -17,7 +17,7 @@ import tf2_oracle
 CASES = ["convnet:fit:dp", "convnet:fit:ga", "convnet:fit:pipeline", "convnet:fit:gc",
          "convnet:fit:amp", "transformer:fit:dp", "transformer:fit:pipeline",
          "transformer:fit:gpipe", "custom:fit:dp", "custom:fit:pipeline", "convnet:fit:auto_stages",
-         "convnet:fit:zero_keras"]
+         "convnet:fit:zero_keras", "convnet:fit:split", "transformer:fit:split"]
 
 
 @pytest.fixture(scope="module")

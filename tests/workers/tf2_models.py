@@ -39,7 +39,7 @@ from keras import layers
 
 import epl
 
-NUM_CLASSES = 5
+NUM_CLASSES = 6   # divisible by 2: the split cases shard the classifier evenly
 IMAGE = (8, 8, 1)
 VOCAB, MAXLEN, EMBED, HEADS, FF = 40, 6, 8, 2, 16
 FEATURES = 6
@@ -129,10 +129,13 @@ class CustomModel(keras.Model):
 
     def __init__(self, use_epl: bool = False, stages: bool = False, split: bool = False):
         super().__init__()
-        with scope(use_epl and stages, name="stage_0"):
-            self.hidden = layers.Dense(16, activation="relu")
-        with scope(use_epl and stages, name="stage_1"):
-            self.norm = layers.LayerNormalization()
+        # split: the layers before the split classifier under epl.replicate, as EPL's
+        # split examples scope a data-parallel body (the other models leave it unscoped)
+        with scope(use_epl and split and not stages, name="body"):
+            with scope(use_epl and stages, name="stage_0"):
+                self.hidden = layers.Dense(16, activation="relu")
+            with scope(use_epl and stages, name="stage_1"):
+                self.norm = layers.LayerNormalization()
         with scope(use_epl and split, "split", name="classifier"):
             self.out = layers.Dense(NUM_CLASSES)
 

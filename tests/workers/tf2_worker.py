@@ -7,7 +7,8 @@ STEPS steps under EPL and single-device on the batches the units consumed, and
 writes FILE (npz), per case C = "model:mode:strategy": `C/losses` (the running mean
 loss after each step, as Keras logs it), `C/var_<i>` (every variable after
 training), `C/rewrites` (how many traced steps EPL rewrote), `C/state` (the names
-of the variables EPL created for them), `C/reference` (the key R of the reference),
+of the variables EPL created for them), `C/split_ops` ("type slot device" of the
+split ops in the rewritten functions), `C/reference` (the key R of the reference),
 and for each reference `R/losses`, `R/var_<i>` and its noise floor `R/reversed/...`.
 
 Modes: `fit` (model.compile + model.fit on a tf.data.Dataset of global batches);
@@ -35,6 +36,23 @@ from epl import env   # noqa: E402
 from epl.runtime import eager_state   # noqa: E402
 
 import tf2_models as models   # noqa: E402
+from epl.hooks import function as function_hooks   # noqa: E402
+from epl.ir.annotations import SHARD_ATTR   # noqa: E402
+
+# (op type, shard slot, device) of every split op of the rewritten traces
+SPLIT_OPS: set = set()
+_REWRITE = function_hooks.rewrite
+
+
+def _observed_rewrite(func_graph, state):
+    """The trace rewrite, noting the split ops of the function it builds."""
+    _REWRITE(func_graph, state)
+    for op in func_graph.get_operations():
+        if SHARD_ATTR in op.node_def.attr:
+            SPLIT_OPS.add((op.type, op.get_attr(SHARD_ATTR), op.device))
+
+
+function_hooks.rewrite = _observed_rewrite
 
 STEPS = 3
 UNIT_ROWS = 4   # the script's batch in iterator mode: one unit's
@@ -56,6 +74,8 @@ STRATEGIES = {
     "zero": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, False, 2, 1, "v1_adam"),
     # a Keras 3 optimizer: its update region (element-wise ops after one IdentityN) sharded
     "zero_keras": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, False, 2, 1, "adam"),
+    # the classifier under epl.split(2), the rest data-parallel on the same 2 devices
+    "split": ({"cluster.virtual_devices": 2}, False, 2, 1, "adam"),
 }
 
 
@@ -79,7 +99,8 @@ def run_epl(name: str, mode: str, strategy: str, initial, x, y) -> tuple:
                          "communication.collective_timeout_s": 60, **config}))
     before = eager_state.StepState.created
     eager_state.StepState.names = []
-    model = models.MODELS[name](use_epl=True, stages=stages)
+    SPLIT_OPS.clear()
+    model = models.MODELS[name](use_epl=True, stages=stages, split=strategy == "split")
     model.set_weights(initial)
     opt = models.optimizer(opt_name)
     units = replicas * micro
@@ -89,7 +110,8 @@ def run_epl(name: str, mode: str, strategy: str, initial, x, y) -> tuple:
         losses = _loop(model, opt, x, y, units, mode)
     rewrites = eager_state.StepState.created - before
     env.reset()
-    return losses, models.weights(model), rewrites, list(eager_state.StepState.names)
+    split_ops = sorted(f"{kind} {slot} {device}" for kind, slot, device in SPLIT_OPS)
+    return losses, models.weights(model), rewrites, list(eager_state.StepState.names), split_ops
 
 
 def _fit(model, opt, x, y, batch: int) -> list:
@@ -152,7 +174,8 @@ def main() -> None:
         _, _, replicas, micro, opt_name = STRATEGIES[strategy]
         case = f"{name}:{mode}:{strategy}"
         print(f"case {case}", flush=True)
-        losses, values, rewrites, state = run_epl(name, mode, strategy, initial, x, y)
+        losses, values, rewrites, state, split_ops = run_epl(name, mode, strategy, initial, x, y)
+        record[f"{case}/split_ops"] = np.array(split_ops)
         record[f"{case}/losses"] = np.array(losses)
         record[f"{case}/rewrites"] = np.array(rewrites)
         record[f"{case}/state"] = np.array(state)

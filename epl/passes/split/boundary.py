@@ -11,9 +11,12 @@ the batch (batch axis 0). This module builds the exchanges between the two:
   reads them). When the split op is a dispatch slice (an expert slice along a
   non-batch axis, `SplitRecord.slicers`), each replica slices its own copy
   first and the device concatenates only its experts' slices: an all-to-all.
-  A scalar (a batch mean) becomes the batch-share-weighted sum of the copies;
+  A scalar (a batch mean) becomes the batch-share-weighted sum of the copies,
+  a scalar read from the batch's shape only (a count of rows) their sum;
+  the Shape of a batch tensor, the shape of the gathered rows;
   a tensor that does not depend on the examples comes from replica 0.
-- Out of a split op, into replica k: the rows of replica k along axis 0. When
+- Out of a split op, into replica k: the rows of replica k along axis 0 (of a
+  Shape of a batch tensor: the shape of replica k's rows). When
   the tensor is the combine concat of expert shards (`SplitRecord.gathers`
   along a non-batch axis), each shard sends replica k only its rows and the
   replica concatenates them: the all-to-all back. Tensors that do not depend
@@ -129,6 +132,11 @@ class SplitBoundary:
     def _rows_for(self, tensor: tf.Tensor, k: int) -> tf.Tensor:
         if tensor.shape.rank == 0 or tensor.op not in self.batch_derived:
             return tensor
+        if tensor.op.type == "Shape":   # the shape of a batch tensor: of replica k's rows
+            rows = self._rows_for(tensor.op.inputs[0], k)
+            with tf.name_scope("EPL_SPLIT_BOUNDARY"), tf.device(rows.device), \
+                    tensor.graph._attr_scope({REPLICA_ATTR: tf.compat.v1.AttrValue(i=k)}):
+                return tf.shape(rows, out_type=tensor.dtype)
         device = self.replica_device(k)
         gather = self.gathers.get(tensor)
         rows_axis = self.axes.get(tensor, 0)
@@ -213,15 +221,42 @@ class SplitBoundary:
         with tf.device(device), tf.name_scope("EPL_SPLIT_DISPATCH"):
             return tf.concat(pieces, axis=rows_axis)
 
+    def _from_shapes(self, tensor: tf.Tensor) -> bool:
+        """True if `tensor` is a count of the rows of batch tensors: a product of the
+        Shape or Size of tensors of rank >= 1, cast (as a loss's mean divides by).
+        Such a count is linear in the rows, so the replicas' counts add up. Anything
+        else read from the batch (its values, the Shape of a scalar, one of the
+        other dimensions) is not a count."""
+        stack, seen, counted = [tensor.op], set(), False
+        while stack:
+            op = stack.pop()
+            if op in seen or op not in self.batch_derived:
+                continue
+            seen.add(op)
+            if op.type in ("Shape", "Size"):
+                if op.inputs[0].shape.rank in (None, 0):
+                    return False
+                counted = True
+            elif op.type in ("Cast", "Identity", "Prod"):
+                stack.extend(t.op for t in op.inputs)
+            else:
+                return False
+        return counted
+
     def _gathered(self, tensor: tf.Tensor, copies: list, device: str) -> tf.Tensor:
         key = (tensor, device)
         if key in self._cache:
             return self._cache[key]
         with tf.device(device), tf.name_scope("EPL_SPLIT_GATHER"):
-            if tensor.shape.rank == 0:       # a mean over the batch: weight by batch share
+            if tensor.shape.rank == 0 and self._from_shapes(tensor):   # a count of rows
+                value = tf.add_n(copies)
+            elif tensor.shape.rank == 0:     # a mean over the batch: weight by batch share
                 value = tf.add_n([tf.cast(w, c.dtype) * c for w, c in zip(self.weights, copies)])
             elif tensor.op not in self.batch_derived:
                 value = copies[0]
+            elif tensor.op.type == "Shape":  # the shape of the gathered rows (axis 0)
+                rows = tf.add_n([c[0] for c in copies])
+                value = tf.concat([tf.reshape(rows, [1]), copies[0][1:]], axis=0)
             else:                            # all-gather of the replicas' rows
                 value = tf.concat(copies, axis=self.axes.get(tensor, 0))
         self._cache[key] = value

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from epl.errors import ParallelizeError
 from epl.passes.split.layouts import Full, Pending, Sharded, is_full
 from epl.passes.split.rewriter import Rewriter, as_sharded, handle_input
 from epl.passes.split.rules import rule
@@ -35,6 +36,16 @@ def _embedding(rw: Rewriter, op, layouts):
         ids_layout = layouts[1]
     if not is_full(ids_layout):
         return None
+    if isinstance(table, Pending) and rw.slice_reads:
+        raise ParallelizeError(
+            f"the embedding lookup {op.name} reads table {table.variable.name} (shape "
+            f"{table.variable.shape.as_list()}) under epl.split ({rw.taskgraph}) in a "
+            "tf.function training step, which EPL does not split in eager TensorFlow 2: "
+            "there the table stays the user's whole variable, so a split lookup would give "
+            "it a dense gradient where single-device training gives IndexedSlices, and "
+            "Keras optimizers update the two differently. Build the Embedding outside epl.split (data-parallel), "
+            "or split it in a graph-mode program (tf.compat.v1.disable_eager_execution()), "
+            "where the table becomes shards.")
     if isinstance(table, Pending):
         what = (f"vocabulary ({table.variable.shape[0]} rows) of embedding table "
                 f"{table.variable.op.name}")
@@ -57,7 +68,7 @@ def _embedding(rw: Rewriter, op, layouts):
     for j in range(rw.k):
         with rw.on(j):
             local = ids_of[j] - tf.cast(offsets[j], ids_of[j].dtype)
-            source = shards[j] if shards is not None else sharded.parts[j]
+            source = shards[j] if shards else sharded.parts[j]
             rows.append(tf.gather(source, local))
     with rw.gathering(op.name):
         stitched = tf.dynamic_stitch(positions_of, rows)

@@ -72,6 +72,8 @@ class SplitRecord:
     ops: the ops the region runs (per-slot ops and ops left unsplit).
     fallbacks: "op (type)" of ops with a sharded input that ran unsplit.
     unsharded: "variable: why" for variables created in the TaskGraph that stay whole.
+    sliced: slice mode (a traced tf.function step): the names of the variable ops read
+      whole and cut onto the slots (not replaced by shards).
     """
 
     taskgraph: str
@@ -83,6 +85,7 @@ class SplitRecord:
     ops: list = dataclasses.field(default_factory=list)
     fallbacks: list = dataclasses.field(default_factory=list)
     unsharded: list = dataclasses.field(default_factory=list)
+    sliced: list = dataclasses.field(default_factory=list)
 
     @property
     def spans_workers(self) -> bool:

@@ -58,6 +58,21 @@ def owned_variables(graph: tf.Graph, tagged_of: dict, plans: dict) -> dict:
     return owned
 
 
+def owned_captured_variables(captured: dict, tagged_of: dict) -> dict:
+    """owned_variables for a traced tf.function step, whose variables are captured eager
+    variables (`captured`: {capture placeholder op: CapturedSplitVariable}) created
+    outside the graph: a split TaskGraph owns each variable whose every use in the
+    step is in it."""
+    owned: dict = {name: {} for name in tagged_of}
+    for op, variable in captured.items():
+        users = _user_taskgraphs(op)
+        if len(users) == 1:
+            (user,) = users
+            if user in owned:
+                owned[user][op] = variable
+    return owned
+
+
 def _user_taskgraphs(variable_op: tf.Operation) -> set:
     """TaskGraph names (None: untagged) of the ops that use the values of a variable."""
     users = set()

@@ -17,7 +17,7 @@ import warnings
 
 import tensorflow as tf
 
-from epl.checkpoint.sharded_variable import shard_existing
+from epl.checkpoint.sharded_variable import ShardedVariable, shard_existing
 from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import SHARD_ATTR, SPLIT_REPLACED_ATTR, TASKGRAPH_ATTR
@@ -48,8 +48,13 @@ class Rewriter:
 
     def __init__(self, graph: tf.Graph, taskgraph: str, plan: SplitPlan, host: str,
                  record: SplitRecord, variables: dict, communicator=None,
-                 moe_chunks: int = 1):
+                 moe_chunks: int = 1, slice_reads: bool = False):
         self.graph = graph
+        # a traced tf.function's variables are the user's eager variables, which cannot
+        # become shards: the first use that needs one sharded reads it whole and slices
+        # the value onto the slots (`shard_variable`); the variable, its gradient and
+        # its optimizer state stay whole (epl/hooks/function.py)
+        self.slice_reads = slice_reads
         self.moe_chunks = moe_chunks    # chunks of each expert dispatch (split.moe_chunks)
         # a group that spans every worker: its collectives include the other workers,
         # through the communicator's worker-level methods
@@ -64,6 +69,7 @@ class Rewriter:
         self.record = record
         self.layouts: dict = {}
         self.sharded: dict = {}     # variable op -> ShardedVariable
+        self.sliced: dict = {}      # slice mode: variable op -> its Sharded slices
         self._full_cache: dict = {}
         self._name = ""
         self.readers: dict = {}     # variable op -> [(op, input layouts)] that read it in the walk
@@ -168,7 +174,7 @@ class Rewriter:
             result = layout.tensor
         elif isinstance(layout, Pending):
             sharded = self.sharded.get(layout.variable.op)
-            if sharded is None:
+            if sharded is None or self.slice_reads:   # whole, or still read whole
                 return layout.read
             self.refuse_across_workers(f"variable {sharded.name} would have to be gathered whole")
             parts = [shard.value() for shard in sharded.shards]
@@ -199,6 +205,8 @@ class Rewriter:
                     f"variable {var.op.name} (shape {var.shape}) inside epl.split is used split "
                     f"along axis {existing.axis} and along axis {axis}; a split variable has "
                     "one layout. Use two variables, or move one use out of the split scope.")
+            if self.slice_reads:
+                return self.sliced[var.op]
             return Sharded([s.value() for s in existing.shards], axis, existing.sizes)
         dim = var.shape[axis]
         if sizes is None:
@@ -209,6 +217,8 @@ class Rewriter:
             raise ParallelizeError(
                 f"variable {var.op.name} (shape {var.shape.as_list()}) must be split along axis "
                 f"{axis} into {list(sizes)} to match its input, but that axis has {dim} entries.")
+        if self.slice_reads:
+            return self._slice_read(pending, axis, list(sizes))
         sharded = shard_existing(var, axis, list(sizes), list(self.plan.devices), self.host,
                                  lambda j: self.attrs(j), self.offsets(list(sizes), int(dim)))
         self.sharded[var.op] = sharded
@@ -222,6 +232,29 @@ class Rewriter:
         layout = Sharded(parts, axis, tuple(sizes))
         if pending.read.dtype != tf.resource:   # a value read: its readers get the shards
             self.layouts[pending.read] = layout
+        return layout
+
+    def _slice_read(self, pending: Pending, axis: int, sizes: list) -> Sharded:
+        """Slice mode (`slice_reads`): the variable's whole value, read where the variable
+        is and cut there along `axis` (one Split, whose gradient is one Concat: the
+        variable's whole gradient, as single-device autodiff computes it), each slice
+        moved to its slot. The variable is not replaced: its other reads stay."""
+        var = pending.variable
+        read = pending.read
+        with self.graph._attr_scope(self.attrs(None)), tf.device(var.device), \
+                tf.name_scope(f"{var.op.name}/EPL_SPLIT_SLICES/"):
+            if read.dtype == tf.resource:   # a lookup on the handle: read the value once
+                read = tf.raw_ops.ReadVariableOp(resource=read, dtype=var.dtype)
+            pieces = tf.split(read, sizes, axis=axis) if self.k > 1 else [read]
+        parts = []
+        for j, piece in enumerate(pieces):
+            with self.on(j):
+                parts.append(tf.identity(piece))
+        layout = Sharded(parts, axis, tuple(sizes))
+        self.sharded[var.op] = ShardedVariable(
+            var.op.name, tuple(var.shape.as_list()), axis, tuple(sizes), [],
+            tuple(self.offsets(sizes, int(var.shape[axis]))))
+        self.sliced[var.op] = layout
         return layout
 
     def slice(self, tensor: tf.Tensor, axis: int, sizes, extent: int | None = None,
@@ -345,7 +378,8 @@ class Rewriter:
         """Run `op` unsplit on gathered inputs; warn when a sharded input was gathered."""
         split_inputs = [(t, layout) for t, layout in zip(op.inputs, layouts)
                         if isinstance(layout, Sharded)
-                        or (isinstance(layout, Pending) and layout.variable.op in self.sharded)]
+                        or (isinstance(layout, Pending) and layout.variable.op in self.sharded
+                            and not self.slice_reads)]
         gathered = [t for t, _ in split_inputs]
         if gathered:
             self.refuse_across_workers(
@@ -379,7 +413,8 @@ class Rewriter:
         warn about the TaskGraph's variables that stay whole."""
         self._redirect_other_reads()
         for tensor, layout in list(self.layouts.items()):
-            if isinstance(layout, Pending) and layout.variable.op not in self.sharded:
+            if isinstance(layout, Pending) and (layout.variable.op not in self.sharded
+                                                or self.slice_reads):
                 continue
             for consumer in list(tensor.consumers()):
                 if consumer in self.record.replaced:
@@ -398,7 +433,10 @@ class Rewriter:
     def _redirect_other_reads(self) -> None:
         """Reads of a sharded variable that the walk did not see (built outside the
         split scope, e.g. a weight decay over trainable_variables(), or off the path
-        to the loss, e.g. a metric) read the full value assembled from the shards."""
+        to the loss, e.g. a metric) read the full value assembled from the shards.
+        In slice mode the variable stays whole and its other reads read it."""
+        if self.slice_reads:
+            return
         for variable_op, sharded in self.sharded.items():
             handle = variable_op.outputs[0]
             for read in list(handle.consumers()):

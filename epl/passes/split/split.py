@@ -97,16 +97,40 @@ from epl.passes.manager import GraphPass, PassContext, PassResult
 # the rule families: importing them registers their rules
 from epl.passes.split import einsum, elementwise, embedding, matmul, softmax  # noqa: F401
 from epl.passes.split.layouts import SplitRecord
-from epl.passes.split.region import follow_inputs, owned_variables, taskgraph_of
+from epl.passes.split.region import (follow_inputs, owned_captured_variables, owned_variables,
+                                     taskgraph_of)
 from epl.passes.split.rewriter import Rewriter
 from epl.planner.worker_planner import WorkerPlanner
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitInputs:
-    """The split pass's input at gradient time: the loss compute_gradients was given."""
+    """The split pass's input at gradient time: the loss compute_gradients was given.
+
+    captured: for a traced tf.function step (epl/hooks/function.py), {capture
+    placeholder op: CapturedSplitVariable} of the eager variables the step reads;
+    None for a graph-mode graph, whose variables are its own ops."""
 
     loss: tf.Tensor
+    captured: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedSplitVariable:
+    """An eager variable as the split pass reads it in a traced step: the placeholder
+    that captures its handle (`op`), its name, dtype, shape and device. Such a
+    variable is not replaced by shards (the user's eager variable, which Keras, the
+    optimizer and checkpoints hold, stays what is trained): where a rule needs it
+    sharded, its value is read whole and cut onto the split devices
+    (Rewriter.slice_reads), so the layer's compute, activations and gradients are
+    split, and the variable's gradient is whole."""
+
+    op: tf.Operation
+    name: str
+    dtype: tf.DType
+    shape: tf.TensorShape
+    device: str
+    trainable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +168,9 @@ class SplitPass(GraphPass):
             name = taskgraph_of(op) or followers.get(op)
             if name in tagged_of:
                 tagged_of[name].append(op)
-        owned = owned_variables(graph, tagged_of, plans)
+        captured = ctx.get(SplitInputs).captured
+        owned = owned_variables(graph, tagged_of, plans) if captured is None else \
+            owned_captured_variables(captured, tagged_of)
         for taskgraph in todo:
             tagged = tagged_of[taskgraph.name]
             region = [op for op in tagged if op in path]
@@ -153,7 +179,8 @@ class SplitPass(GraphPass):
             variables = owned[taskgraph.name]
             record = SplitRecord(taskgraph.name, plans[taskgraph.name])
             rewriter = Rewriter(graph, taskgraph.name, record.plan, ctx.cluster.host_device, record,
-                                variables, ctx.communicator, self.options.moe_chunks)
+                                variables, ctx.communicator, self.options.moe_chunks,
+                                slice_reads=captured is not None)
             batch_derived = set()
             if rewriter.spanning:
                 batch_inputs, _ = find_batch_inputs(path)
@@ -161,7 +188,8 @@ class SplitPass(GraphPass):
             with graph.name_scope(None), graph.control_dependencies(None):
                 rewriter.run(region, batch_derived)
                 rewriter.finish(set(region))
-            for variable_op, sharded in rewriter.sharded.items():
+            record.sliced = [variable_op.name for variable_op in rewriter.sliced]
+            for variable_op, sharded in ({} if captured is not None else rewriter.sharded).items():
                 graph_mutation.set_attr(variable_op, SPLIT_REPLACED_ATTR,
                                         tf.compat.v1.AttrValue(b=True))
             records.append(record)
