@@ -5,7 +5,8 @@
 Each worker trains the subclassed model of tests/workers/tf2_models.py on its own
 half of every global batch (fit: its half is the batch fit cuts among its 2
 replicas; the loop: a step drawing from its own iterator, 2 units of the script's
-batch per call), and compares its variables after 3 steps with single-device
+batch per call; "split": the same loop with the classifier under epl.split(2) over
+the worker's devices), and compares its variables after 3 steps with single-device
 training on the whole global batches, computed in this same process without EPL.
 Writes OUT_DIR/rank<r>.json: {mode: largest difference of any variable}.
 """
@@ -56,7 +57,7 @@ def mine(x, y, rank: int, mode: str):
 def train_epl(initial, x, y, rank: int, mode: str):
     epl.init(epl.Config({"cluster.virtual_devices": 2,
                          "communication.collective_timeout_s": 60}))
-    model = models.custom(use_epl=True)
+    model = models.custom(use_epl=True, split=mode == "split")
     model.set_weights(initial)
     data = mine(x, y, rank, mode)
     if mode == "fit":
@@ -93,7 +94,7 @@ def main() -> None:
     expected = models.weights(reference)
     rank = int(os.environ["HOROVOD_RANK"])
     record = {}
-    for mode in ("fit", "iterator"):
+    for mode in ("fit", "iterator", "split"):
         got = train_epl(initial, x, y, rank, mode)
         record[mode] = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
     write_record(out_dir, rank, record)

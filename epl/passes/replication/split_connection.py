@@ -126,13 +126,17 @@ def global_gradients(view, plan, step, forward_copies, weights, mirrors,
 def reduce_split_gradients_over_workers(view, gradients, communicator, split_vars: set) -> None:
     """Every worker holds all shards of a split group within a worker: sum
     each shard's gradient (of `split_vars`) over the workers (it is already
-    weighted by the worker's batch share) and make its update read the sum;
-    sparse gradients are gathered."""
+    weighted by the worker's batch share) and make every reader of the gradient
+    read the sum (the shard's update, and in an eager step, where the variable
+    stays whole, the optimizer's ops that compute its update from the gradient:
+    a Keras optimizer's moments); sparse gradients are gathered."""
     with tf.name_scope("EPL_SPLIT_WORKERS"):
         for (_, var), grad in zip(view.gradients, gradients):
             if var not in split_vars or grad is None:
                 continue
-            readers = view.split_apply_ops
+            parts = (grad.values, grad.indices) if isinstance(grad, tf.IndexedSlices) \
+                else (grad,)
+            readers = list(dict.fromkeys(op for part in parts for op in part.consumers()))
             if isinstance(grad, tf.IndexedSlices):
                 with tf.device(grad.values.device):
                     pairs = ((grad.values, communicator.workers_all_gather(grad.values)),
