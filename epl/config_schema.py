@@ -248,6 +248,13 @@ SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("communication.collective_timeout_s", "float", 300.0,  # successor
             "Seconds a collective may wait for its peers before failing.",
             minimum=0, exclusive=True),
+    KeySpec("communication.local_reduction", "str", "auto",  # successor
+            "How a worker's devices all-reduce: 'collective' (TensorFlow's collective "
+            "ops: NCCL among GPUs, a ring otherwise), 'one_device' (the sum on the first "
+            "device, read by the others: MirroredStrategy's ReductionToOneDevice), or "
+            "'auto' ('one_device' on CPU devices, which share one memory, else "
+            "'collective').",
+            allowed=("auto", "collective", "one_device")),
     # io
     KeySpec("io.slicing", "bool", False,
             "Slice the input files among data-parallel workers automatically."),

@@ -20,6 +20,9 @@ MICRO_BATCH_ATTR = "_epl_micro_batch"  # int: micro-batch index (absent = 0)
 SHARD_ATTR = "_epl_shard"           # int: the slot (shard index) of an op the split pass built
 SPLIT_REPLACED_ATTR = "_epl_split_replaced"  # bool: an op the split pass replaced (never runs)
 COLLECTIVE_ATTR = "_epl_collective"  # string on Horovod ops: what they carry, in words
+# bool on the AddN that sums a local all-reduce on one device (LocalCommunicator on
+# CPU devices, epl.runtime.communicators): its output is the same on every replica
+REDUCED_ATTR = "_epl_reduced"
 RECOMPUTE_ATTR = "_epl_recompute"    # bool: a recomputed (gradient checkpointing) forward copy
 RECOMPUTE_SHAPE_ATTR = "_epl_recompute_shape"  # bool: Shape op recompute added on a forward tensor
 SCHEDULE_EDGE_ATTR = "_epl_schedule_edge"  # string on pipeline barrier NoOps: "F1->B0"

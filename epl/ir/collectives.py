@@ -3,7 +3,9 @@
 One list of op types shared by the parallel-graph summary (`epl.observability.summary`),
 the trace (`epl.observability.trace`) and `epl-dump`: TensorFlow's collective ops
 (V1, V2, V3), NCCL's and Horovod's. A collective is recognised by its op
-type only, never by its name.
+type only, never by its name; and a local all-reduce summed on one device (CPU
+devices, `epl.runtime.communicators.LocalCommunicator`) by its AddN's
+`REDUCED_ATTR` (`is_reduction_to_one_device`), its payload every replica's tensor.
 
 Payload: the tensors a collective sends, i.e. its data inputs that are not
 group/instance keys or sizes: input 0, or every input for the grouped ops
@@ -15,6 +17,8 @@ The module imports no TensorFlow (epl-dump reads the op types without it).
 from __future__ import annotations
 
 from typing import Any
+
+from epl.ir.annotations import REDUCED_ATTR
 
 V1_COLLECTIVES = frozenset({"CollectiveReduce", "CollectiveGather",
                             "CollectiveBcastSend", "CollectiveBcastRecv"})
@@ -40,16 +44,27 @@ COLLECTIVE_OPS = (V1_COLLECTIVES | frozenset(V2_COLLECTIVE_INPUTS) | V3_COLLECTI
                   | NCCL_COLLECTIVES | HOROVOD_COLLECTIVES)
 
 
+def is_reduction_to_one_device(op: Any) -> bool:
+    """True if `op` (a tf.Operation) is the sum of a local all-reduce on one device."""
+    return op.type == "AddN" and REDUCED_ATTR in op.node_def.attr
+
+
+def is_reduction_node(node: Any) -> bool:
+    """is_reduction_to_one_device of a NodeDef (epl-dump reads GraphDefs)."""
+    return node.op == "AddN" and REDUCED_ATTR in node.attr
+
+
 def is_collective(op: Any) -> bool:
-    """True if `op` is a collective (by op type)."""
-    return op.type in COLLECTIVE_OPS
+    """True if `op` (a tf.Operation) is a collective (by op type), or a local
+    all-reduce's sum on one device."""
+    return op.type in COLLECTIVE_OPS or is_reduction_to_one_device(op)
 
 
 def payload_tensors(op: Any) -> list:
     """The tensors collective `op` sends (see the module doc)."""
     if op.type in NO_PAYLOAD_OPS or not op.inputs:
         return []
-    if op.type in MULTI_PAYLOAD_OPS:
+    if op.type in MULTI_PAYLOAD_OPS or is_reduction_to_one_device(op):
         return list(op.inputs)
     return [op.inputs[0]]
 

@@ -19,7 +19,8 @@ ops (each replica's kernel seeds itself). Variation flows along data edges; it
 stops at what EPL reduces over the replicas: a gradient where an update reads it
 (the gradient_comm and zero passes reduce it), the merged value of a loss or of a
 tensor of an EPL merge collection (`epl.add_to_collection`), and, in the
-rewritten graph, the outputs of the cross-replica collectives.
+rewritten graph, the outputs of the cross-replica collectives (and of a local
+all-reduce summed on one device, `epl.ir.collectives.is_reduction_to_one_device`).
 
 A write (an op that writes a variable: assign, assign_add, an optimizer's apply, a
 scatter) that reads a varying value is one of (`WriteKind`):
@@ -53,6 +54,8 @@ import dataclasses
 import enum
 
 import tensorflow as tf
+
+from epl.ir.collectives import is_reduction_to_one_device
 
 # Op types that add to the variable whose handle or ref is their first input.
 ADD_TYPES = frozenset({"AssignAdd", "AssignAddVariableOp"})
@@ -426,7 +429,8 @@ def varying_writes(graph: tf.Graph, sources, clean, replicated: set, unit_copies
     allowed: writes that may read varying values (shared accumulators' adds).
     """
     stops = set(clean) | {t for op in graph.get_operations()
-                          if op.type in CONSISTENT_COLLECTIVE_TYPES for t in op.outputs}
+                          if op.type in CONSISTENT_COLLECTIVE_TYPES or is_reduction_to_one_device(op)
+                          for t in op.outputs}
     flow = _Flow([t for t in sources if t not in stops], cut=stops)
     found = []
     for op in graph.get_operations():

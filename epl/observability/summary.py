@@ -33,7 +33,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from epl.ir.collectives import is_collective, payload_bytes
+from epl.ir.collectives import is_collective, is_reduction_to_one_device, payload_bytes
 from epl.ir.graph_view import ancestors
 from epl.observability.dump_format import rank_dump_dir
 
@@ -54,7 +54,8 @@ class CollectiveTotals:
         size = payload_bytes(op)
         self.count += 1
         self.bytes = None if self.bytes is None or size is None else self.bytes + size
-        entry = self.by_type.setdefault(op.type, [0, 0])
+        kind = "AddN (all-reduce on one device)" if is_reduction_to_one_device(op) else op.type
+        entry = self.by_type.setdefault(kind, [0, 0])
         entry[0] += 1
         entry[1] = None if entry[1] is None or size is None else entry[1] + size
 

@@ -35,7 +35,7 @@ import tensorflow as tf
 from tensorflow.python.client import timeline
 
 from epl.errors import ConfigError
-from epl.ir.collectives import is_collective, payload_bytes
+from epl.ir.collectives import is_collective, is_reduction_to_one_device, payload_bytes
 
 _LOG = logging.getLogger(__name__)
 UPDATE_INPUT_DTYPES = (tf.resource,)
@@ -202,5 +202,6 @@ def collective_labels(graph: tf.Graph) -> dict[str, str]:
         else:
             consumers = [c for t in op.outputs for c in t.consumers()]
             what = f"into {consumers[0].name}" if consumers else f"{op.name} (no consumer)"
-        labels[op.name] = f"EPL {_kind(op.type)}: {what} {_bytes(payload_bytes(op))}"
+        kind = "all-reduce" if is_reduction_to_one_device(op) else _kind(op.type)
+        labels[op.name] = f"EPL {kind}: {what} {_bytes(payload_bytes(op))}"
     return labels

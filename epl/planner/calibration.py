@@ -340,20 +340,21 @@ def _step_costs(terms: list[list[float]], seconds: list[float]
 
 
 def _all_reduces(tf: Any, nbytes: int, devices: int):
-    """build(n): n chained all-reduces of `nbytes` over `devices` devices
-    (TensorFlow's collective ops, as EPL's local gradient reduction)."""
-    from tensorflow.python.ops import collective_ops
+    """build(n): n chained all-reduces of `nbytes` over `devices` devices, built by
+    the communicator EPL's local gradient reduction uses on CPU devices (the sum
+    on one device, `LocalCommunicator(reduce_to_one_device=True)`)."""
+    from epl.runtime.communicators import LocalCommunicator
+    names = [f"/device:CPU:{d}" for d in range(devices)]
 
     def build(n: int):
-        outs = []
-        for d in range(devices):
-            with tf.device(f"/device:CPU:{d}"):
-                x = tf.Variable(tf.ones([nbytes // 4])).read_value()
-                for c in range(n):
-                    x = collective_ops.all_reduce(x, devices, 1, 1 + c, "Add",
-                                                  "Id")
-                outs.append(x)
-        return tf.group(*outs)
+        communicator = LocalCommunicator(reduce_to_one_device=True)
+        xs = []
+        for name in names:
+            with tf.device(name):
+                xs.append(tf.Variable(tf.ones([nbytes // 4])).read_value())
+        for _ in range(n):
+            xs = communicator.all_reduce(xs, names)
+        return tf.group(*xs)
     return build
 
 
@@ -391,22 +392,23 @@ def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
     step: every replica reads its batch from one input pipeline
     (`_input_dataset`) whose iterator sits on device 0 (as EPL places the
     input), and the replicas'
-    gradients are fused (concat) and all-reduced in one collective (split
-    back) before the apply; real=False the same replicas independently,
+    gradients are fused (concat) and all-reduced in one reduction (EPL's on
+    CPU devices: the sum on device 0; split back) before the apply; real=False the same replicas independently,
     each on a constant batch of its own."""
-    from tensorflow.python.ops import collective_ops
+    from epl.runtime.communicators import LocalCommunicator
+    names = [f"/device:CPU:{d}" for d in range(devices)]
 
     def build(batch: int):
         if real:
             with tf.device("/device:CPU:0"):
                 iterator = tf.compat.v1.data.make_one_shot_iterator(
                     _input_dataset(tf, batch, width))
-        trains = []
-        for d in range(devices):
+        replicas = []   # per device: (its weights, their gradients)
+        for name in names:
             if real:
                 with tf.device("/device:CPU:0"):
                     x, _ = iterator.get_next()
-            with tf.device(f"/device:CPU:{d}"):
+            with tf.device(name):
                 if not real:
                     x = tf.ones([batch, width])
                 weights = [tf.Variable(tf.ones([width, width]) / width)
@@ -414,13 +416,19 @@ def _replica_steps(tf: Any, devices: int, real: bool, width: int = 256,
                 values = [w.read_value() for w in weights]
                 for value in values:
                     x = tf.nn.relu(tf.matmul(x, value))
-                grads = tf.gradients(tf.reduce_sum(x), values)
-                if real and devices > 1:
-                    flat = collective_ops.all_reduce(
-                        tf.concat([tf.reshape(g, [-1]) for g in grads], 0),
-                        devices, 1, 1, "Add", "Id")
-                    grads = [tf.reshape(g, [width, width])
-                             for g in tf.split(flat, layers)]
+                replicas.append((weights, tf.gradients(tf.reduce_sum(x), values)))
+        if real and devices > 1:
+            flats = []
+            for name, (_, grads) in zip(names, replicas):
+                with tf.device(name):
+                    flats.append(tf.concat([tf.reshape(g, [-1]) for g in grads], 0))
+            reduced = LocalCommunicator(reduce_to_one_device=True).all_reduce(flats, names)
+            for name, flat, (weights, grads) in zip(names, reduced, replicas):
+                with tf.device(name):
+                    grads[:] = [tf.reshape(g, [width, width]) for g in tf.split(flat, layers)]
+        trains = []
+        for name, (weights, grads) in zip(names, replicas):
+            with tf.device(name):
                 trains += [tf.raw_ops.ResourceApplyGradientDescent(
                     var=w.handle, alpha=0.01, delta=g)
                     for w, g in zip(weights, grads)]
@@ -557,10 +565,12 @@ def calibrate_cpu_profile(progress: Callable[[str], None] | None = None) -> Devi
       pipeline of in-memory slices (`_input_costs`), the session's own
       fixed cost (a NoOp's run) taken off.
     - intra_node_bandwidth and collective_latency_s: chained all-reduces
-      of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices; the
-      small one's time over its 2 (n - 1) ring steps is the latency, the
-      bytes every device sends (2 (n - 1) / n of the buffer each) over the
-      extra time of the large one the bandwidth of the whole CPU
+      of 4 KiB and 1 MiB over `CALIBRATION_DEVICES` virtual devices, built as
+      EPL reduces among CPU devices (the sum on one device); the cost model
+      reads them as a ring (`step_cost`), so they are fitted in its terms:
+      the small one's time over 2 (n - 1) ring steps is the latency, the
+      bytes every device would send (2 (n - 1) / n of the buffer each) over
+      the extra time of the large one the bandwidth of the whole CPU
       (`virtual_cpu_profiles` divides it among the devices, which share it).
 
     Memory is the machine's RAM; inter-node bandwidth the 100 Gb/s default.

@@ -69,7 +69,7 @@ from tensorboard.compat.proto import attr_value_pb2, event_pb2, graph_pb2, node_
 
 from epl.observability.dump_format import (DumpError, PassDump, load_graph_def, rank_dirs, read_dump,
                              resolve_dump_dir, select_pass)
-from epl.ir.collectives import COLLECTIVE_OPS
+from epl.ir.collectives import COLLECTIVE_OPS, is_reduction_node
 from epl.tools.dump_graph import (Collective, Shape, device_of, find_collectives, natural_key,
                                   op_counts, ordered_counts, output_shape, phase_of, split_input,
                                   taskgraph_of)
@@ -429,7 +429,8 @@ def _dot_selection(graph_def: graph_pb2.GraphDef, max_ops: int) -> list[node_def
     nodes = list(graph_def.node)
     if max_ops <= 0 or len(nodes) <= max_ops:
         return nodes
-    collectives = [n for n in nodes if n.op in COLLECTIVE_OPS][:max_ops]
+    collectives = [n for n in nodes
+                   if n.op in COLLECTIVE_OPS or is_reduction_node(n)][:max_ops]
     chosen = {n.name for n in collectives}
     for node in nodes:
         if len(chosen) >= max_ops:
@@ -444,7 +445,7 @@ def _dot_node(node: node_def_pb2.NodeDef, node_id: str) -> str:
              "fillcolor": PHASE_COLOURS.get(phase_of(node), NO_PHASE_COLOUR),
              "tooltip": f"taskgraph={taskgraph_of(node)} phase={phase_of(node)}"}
     text = ", ".join(f"{key}={_dot_quote(value)}" for key, value in attrs.items())
-    if node.op in COLLECTIVE_OPS:
+    if node.op in COLLECTIVE_OPS or is_reduction_node(node):
         text += ', shape="doubleoctagon", color="red", penwidth="3"'
     return f"    {node_id} [{text}];"
 

@@ -29,7 +29,7 @@ from tensorboard.util import tensor_util
 
 from epl.ir.collectives import (COLLECTIVE_OPS, HOROVOD_COLLECTIVES, MULTI_PAYLOAD_OPS,
                                 NCCL_COLLECTIVES, NO_PAYLOAD_OPS, V1_COLLECTIVES,
-                                V2_COLLECTIVE_INPUTS, V3_COLLECTIVES)
+                                V2_COLLECTIVE_INPUTS, V3_COLLECTIVES, is_reduction_node)
 
 NONE_LABEL = "(none)"
 UNPLACED_LABEL = "(unplaced)"
@@ -288,6 +288,8 @@ def _group_ids(index: _GraphIndex, node: node_def_pb2.NodeDef) -> tuple:
 
 def _group_label(node: node_def_pb2.NodeDef, ids: tuple) -> str:
     """Return the printable group of a collective."""
+    if is_reduction_node(node):
+        return f"one-device size={len(_data_inputs(node))}"
     if node.op in HOROVOD_COLLECTIVES:
         return "horovod"
     if node.op in NCCL_COLLECTIVES:
@@ -301,7 +303,7 @@ def _group_label(node: node_def_pb2.NodeDef, ids: tuple) -> str:
 
 def _payload_shapes(index: _GraphIndex, node: node_def_pb2.NodeDef) -> list[Shape | None]:
     """Return the shapes of the tensors a collective moves (see the module docstring)."""
-    if node.op in MULTI_PAYLOAD_OPS:
+    if node.op in MULTI_PAYLOAD_OPS or is_reduction_node(node):
         return [index.input_shape(node, i) for i in range(len(_data_inputs(node)))]
     if node.op not in NO_PAYLOAD_OPS and _data_inputs(node):
         shape = index.input_shape(node, 0)
@@ -335,8 +337,9 @@ def _make_collective(index: _GraphIndex, node: node_def_pb2.NodeDef) -> Collecti
 def find_collectives(graph_def: graph_pb2.GraphDef) -> list[Collective]:
     """Return every collective op of `graph_def`, in graph order.
 
-    Recognises TF collectives V1/V2/V3, NCCL ops and Horovod ops by op type.
+    Recognises TF collectives V1/V2/V3, NCCL ops and Horovod ops by op type, and
+    a local all-reduce summed on one device by its AddN's attribute.
     """
     index = _GraphIndex(graph_def)
     return [_make_collective(index, node) for node in graph_def.node
-            if node.op in COLLECTIVE_OPS]
+            if node.op in COLLECTIVE_OPS or is_reduction_node(node)]

@@ -41,6 +41,7 @@ EXPECTED_DEFAULTS = {
     "communication.clip_after_allreduce": False,
     "communication.gradients_reduce_method": "mean",
     "communication.collective_timeout_s": 300,
+    "communication.local_reduction": "auto",
     "io.slicing": False,
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,

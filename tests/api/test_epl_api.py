@@ -338,7 +338,8 @@ def test_zero_v0_errors_name_v0():
 
 
 def _collective_count(models, config):
-    epl.init(epl.Config({"cluster.virtual_devices": 2, **config}))
+    epl.init(epl.Config({"cluster.virtual_devices": 2,
+                         "communication.local_reduction": "collective", **config}))
     with tf.Graph().as_default() as graph:
         models.build("mlp", "sgd")
         epl.parallelize(graph)

@@ -76,9 +76,10 @@ def test_parallelize_logs_a_summary_at_info(epl_env, epl_records):
         " PreferBackward, batch shares even",
         "  replica 0: CPU:0, CPU:1 | replica 1: CPU:2, CPU:3",
         "  split groups: none",
-        # one all-reduce per stage and replica of that stage's fused gradients:
-        # stage 0: 8x16 + 16 floats = 576 B, stage 1: 16 + 1 floats = 68 B
-        "  collectives per step: 4 (1.3 KiB): CollectiveReduce 4 (1.3 KiB)"]
+        # one all-reduce per stage of that stage's fused gradients, summed on one CPU
+        # device (communication.local_reduction "auto") over both replicas' buckets:
+        # stage 0: 2 x (8x16 + 16 floats = 576 B), stage 1: 2 x (16 + 1 floats = 68 B)
+        "  collectives per step: 2 (1.3 KiB): AddN (all-reduce on one device) 2 (1.3 KiB)"]
     # the slowest pass always, up to four more taking 5 ms or more, then the rest
     assert re.fullmatch(r"  passes: ([a-z_]+ \d+\.\d\d s, ){1,5}others \d+\.\d\d s", lines[6]), \
         lines[6]

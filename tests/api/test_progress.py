@@ -11,6 +11,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 import epl
+from epl.ir.collectives import is_reduction_node
 from epl.observability.progress import ProgressHook
 
 BATCH = 16
@@ -43,7 +44,10 @@ def _graphs(logdir: str) -> list[graph_pb2.GraphDef]:
 
 
 def _collectives(graph_def: graph_pb2.GraphDef) -> int:
-    return sum(node.op.startswith("Collective") for node in graph_def.node)
+    """The all-reduces of a GraphDef: collective ops, and the sums on one device of
+    the CPU default (communication.local_reduction "auto"; one per bucket)."""
+    return sum(node.op.startswith("Collective") or is_reduction_node(node)
+               for node in graph_def.node)
 
 
 def test_progress_prints_first_every_nth_and_last_step_and_a_summary(epl_env, tmp_path):
@@ -72,7 +76,7 @@ def test_progress_prints_first_every_nth_and_last_step_and_a_summary(epl_env, tm
     assert scalars == [(step, tag) for step in (3, 6, 7)
                        for tag in ("samples/sec", "global_step/sec", "loss")]
     [graph] = _graphs(logdir)      # written after the rewrite only
-    assert _collectives(graph) == 2
+    assert _collectives(graph) == 1
 
 
 def test_monitored_session_checkpoint_dir_ends_with_the_parallel_graph(epl_env, tmp_path):
@@ -90,7 +94,7 @@ def test_monitored_session_checkpoint_dir_ends_with_the_parallel_graph(epl_env, 
             while not sess.should_stop():
                 sess.run(train_op)
     graphs = _graphs(checkpoint_dir)
-    assert [_collectives(g) for g in graphs] == [0, 2]
+    assert [_collectives(g) for g in graphs] == [0, 1]
     assert len(graphs[1].node) > len(graphs[0].node)
     tags = {v.tag for e in _events(checkpoint_dir) for v in e.summary.value}
     assert "global_step/sec" in tags
@@ -192,11 +196,11 @@ def test_logdir_holds_one_graph_the_parallel_one_without_the_dataset(epl_env, tm
             while not sess.should_stop():
                 sess.run(train_op)
     [graph] = _graphs(logdir)
-    assert _collectives(graph) == 2
+    assert _collectives(graph) == 1
     elided = [node for node in graph.node if "_epl_dump_elided" in node.attr]
     assert [node.attr["_epl_dump_elided"].i >= data.nbytes for node in elided] == [True]
     assert sum(os.path.getsize(p) for p in glob.glob(os.path.join(logdir, "*"))) < data.nbytes
     accumulator = plugin_event_accumulator.EventAccumulator(logdir)
     accumulator.Reload()
     shown = accumulator.Graph()
-    assert _collectives(shown) == 2 and len(shown.node) == len(graph.node)
+    assert _collectives(shown) == 1 and len(shown.node) == len(graph.node)

@@ -39,7 +39,7 @@ def _events(path: str) -> list[dict]:
 def test_chosen_runs_are_traced_one_row_per_device_collectives_named(epl_env, tmp_path):
     trace_dir = str(tmp_path / "trace")
     epl_env({"cluster.virtual_devices": 2, "debug.trace_dir": trace_dir,
-             "debug.trace_steps": [2, 4]})
+             "debug.trace_steps": [2, 4], "communication.local_reduction": "collective"})
     _train()
     assert sorted(os.listdir(trace_dir)) == ["step_2.json", "step_4.json"]
     events = _events(os.path.join(trace_dir, "step_2.json"))
@@ -57,6 +57,21 @@ def test_chosen_runs_are_traced_one_row_per_device_collectives_named(epl_env, tm
     # replica 1 updates its own copies of the variables
     assert by_device["CPU:1"].startswith("EPL all-reduce: ") and "/hidden/kernel, " in \
         by_device["CPU:1"] and by_device["CPU:1"].endswith(" (+1 more) 644 B")
+
+
+def test_the_cpu_sum_on_one_device_is_named_as_an_all_reduce(epl_env, tmp_path):
+    """The CPU default (communication.local_reduction "auto"): the fused gradients'
+    all-reduce is one AddN on CPU:0 over both replicas' buckets (2 x 644 B)."""
+    trace_dir = str(tmp_path / "trace")
+    epl_env({"cluster.virtual_devices": 2, "debug.trace_dir": trace_dir,
+             "debug.trace_steps": [2]})
+    _train()
+    events = _events(os.path.join(trace_dir, "step_2.json"))
+    rows = {e["pid"]: e["args"]["name"] for e in events
+            if e["ph"] == "M" and e["name"] == "process_name"}
+    named = [e for e in events if e["ph"] == "X" and e["name"].startswith("EPL all-reduce: ")]
+    assert [(rows[e["pid"]], e["args"]["op"]) for e in named] == [("CPU:0", "AddN")]
+    assert "hidden/kernel" in named[0]["name"] and named[0]["name"].endswith(" 1.3 KiB")
 
 
 def test_users_run_metadata_is_filled_too(epl_env, tmp_path):

@@ -5,13 +5,17 @@ import tensorflow as tf
 
 import epl
 from epl import env
+from epl.ir.collectives import is_reduction_to_one_device
 from epl.passes.gradient_comm import plan_buckets
 
 MB = 1 << 20
 
 
 def _collectives(graph):
-    return [op for op in graph.get_operations() if op.type == "CollectiveReduce"]
+    """The all-reduces: TensorFlow's collective (one op per device), or on CPU devices
+    by default the sum on one device (one AddN)."""
+    return [op for op in graph.get_operations()
+            if op.type == "CollectiveReduce" or is_reduction_to_one_device(op)]
 
 
 def test_bucket_plan_follows_threshold_and_reverse_order():
@@ -29,16 +33,20 @@ def test_bucket_plan_follows_threshold_and_reverse_order():
     assert len([b for b in capped if b.dtype == tf.float32]) == 2
 
 
+@pytest.mark.parametrize("reduction,ops_per_bucket", [("collective", 2), ("one_device", 1)])
 @pytest.mark.parametrize("threshold_mb,expected", [(128, 1), (0.000001, 7)])
-def test_collective_count_equals_bucket_count(models, epl_env, threshold_mb, expected):
+def test_collective_count_equals_bucket_count(models, epl_env, threshold_mb, expected,
+                                              reduction, ops_per_bucket):
     epl_env({"cluster.virtual_devices": 2, "communication.fusion_threshold_mb": threshold_mb,
-             "communication.max_splits": 0})   # no cap on the bucket count
+             "communication.max_splits": 0,   # no cap on the bucket count
+             "communication.local_reduction": reduction})
     with tf.Graph().as_default() as graph:
         built = models.build("mlp", "sgd")
         epl.parallelize(graph)
-    # 6 variables + none for global_step: one bucket (fused) or 6 (unfused), per replica
+    # 6 variables + none for global_step: one bucket (fused) or 6 (unfused); a collective
+    # has one op per replica, the sum on one device one AddN
     expected_buckets = 1 if expected == 1 else 6
-    assert len(_collectives(graph)) == 2 * expected_buckets
+    assert len(_collectives(graph)) == ops_per_bucket * expected_buckets
     del built
 
 

@@ -36,6 +36,10 @@ from wiring_dump import changed_ops
 
 BATCH, FEATURES, HIDDEN, CLASSES = 8, 6, 16, 4
 
+# the passes that reduce over the replicas: TensorFlow's collectives (what GPUs run),
+# not the CPU default's sum on one device (tests/passes/test_replicate_structure.py)
+COLLECTIVE = {"communication.local_reduction": "collective"}
+
 # pass -> (config, model options)
 CASES = {
     "auto_stages": ({"cluster.virtual_devices": 2, "auto.auto_parallel": True,
@@ -51,11 +55,12 @@ CASES = {
                  "amp.loss_scale": "dynamic"}, {}),
     "schedule": ({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
                  {"stages": True}),
-    "zero": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, {}),
-    "gradient_comm": ({"cluster.virtual_devices": 2, "communication.max_splits": 0}, {}),
+    "zero": ({"cluster.virtual_devices": 2, "zero.level": "v1", **COLLECTIVE}, {}),
+    "gradient_comm": ({"cluster.virtual_devices": 2, "communication.max_splits": 0,
+                       **COLLECTIVE}, {}),
     "apply_groups": ({"cluster.virtual_devices": 2, "optimizer.num_apply_group": 2}, {}),
     "skip_on_overflow": ({"cluster.virtual_devices": 2, "amp.level": "O1",
-                          "amp.loss_scale": "dynamic"}, {}),
+                          "amp.loss_scale": "dynamic", **COLLECTIVE}, {}),
     "offload": ({"cluster.virtual_devices": 2, "offload.level": "v0"}, {}),
     "verify": ({"cluster.virtual_devices": 2}, {}),
 }

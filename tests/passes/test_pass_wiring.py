@@ -163,6 +163,9 @@ def two_stages(cycle: bool = False) -> None:
 
 
 DEVICES2 = {"cluster.virtual_devices": 2}
+# the passes that reduce over the replicas: TensorFlow's collectives (what GPUs run),
+# not the CPU default's sum on one device (tests/passes/test_replicate_structure.py)
+COLLECTIVE = {"communication.local_reduction": "collective"}
 ONE_DEVICE = {"cluster.virtual_devices": 1}
 AMP = {"amp.level": "O1", "amp.loss_scale": 128.0}
 DYNAMIC = {"amp.level": "O1", "amp.loss_scale": "dynamic"}
@@ -192,12 +195,15 @@ CASES = {
     "accumulate": Case({**ONE_DEVICE, "pipeline.num_micro_batch": 2}, classifier),
     "unscale": Case({**DEVICES2, **DYNAMIC}, lambda: classifier(bias=False)),
     "schedule": Case({**DEVICES2, "pipeline.num_micro_batch": 2}, two_stages),
-    "zero": Case({**DEVICES2, "zero.level": "v1"}, lambda: classifier(_momentum, bias=False)),
-    "gradient_comm": Case(DEVICES2, classifier),
+    "zero": Case({**DEVICES2, **COLLECTIVE, "zero.level": "v1"},
+                 lambda: classifier(_momentum, bias=False)),
+    "gradient_comm": Case({**DEVICES2, **COLLECTIVE}, classifier),
     "apply_groups": Case({**ONE_DEVICE, "optimizer.num_apply_group": 2},
                          lambda: mlp(global_step=True)),
-    "skip_on_overflow": Case({**DEVICES2, **DYNAMIC}, lambda: classifier(bias=False)),
-    "offload": Case({**DEVICES2, "offload.level": "v0"}, lambda: classifier(bias=False)),
+    "skip_on_overflow": Case({**DEVICES2, **COLLECTIVE, **DYNAMIC},
+                             lambda: classifier(bias=False)),
+    "offload": Case({**DEVICES2, **COLLECTIVE, "offload.level": "v0"},
+                    lambda: classifier(bias=False)),
     "verify": Case(DEVICES2, classifier),
 }
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 import epl
 from epl.errors import PassError
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.collectives import is_collective, is_reduction_to_one_device
 from epl.ir.graph_view import TrainingView, ancestors
 from epl.passes import verify
 from epl.passes.replication.result import Replication
@@ -37,9 +38,11 @@ def _phase(op) -> str | None:
 
 
 def _parallelize(models, epl_env, replicas, optimizer="adam", model="mlp", config=None, **kwargs):
-    """Build `model` with EPL on `replicas` virtual devices and parallelize it."""
+    """Build `model` with EPL on `replicas` virtual devices and parallelize it, reducing
+    with TensorFlow's collectives (what GPUs run; the CPU default, the sum on one
+    device, is test_cpu_devices_sum_each_bucket_on_one_device's)."""
     epl_env({"cluster.virtual_devices": replicas, "debug.check_invariants": True,
-             **(config or {})})
+             "communication.local_reduction": "collective", **(config or {})})
     graph = tf.Graph()
     with graph.as_default():
         built = models.build(model=model, optimizer=optimizer, **kwargs)
@@ -133,6 +136,34 @@ def test_fused_collectives_cover_every_gradient_once(models, epl_env, replicas):
         f"/device:CPU:{k}": 1 for k in range(replicas)}
     assert all(op.get_attr("group_size") == replicas for op in collectives)
     _check_updates_read_reduced_gradients(built, replicas, trainable, per_update=1)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_cpu_devices_sum_each_bucket_on_one_device(models, epl_env, replicas, tmp_path,
+                                                   capsys):
+    """communication.local_reduction "auto" on CPU devices: each bucket is one AddN on
+    the first device over every replica's bucket (carrying REDUCED_ATTR), no collective
+    op; each other replica's updates read a copy on its own device; the verify pass
+    takes the sum as the same on every replica (check_invariants), and epl-dump lists
+    it with the collectives."""
+    dump_dir = str(tmp_path / "dump")
+    graph, built, _ = _parallelize(models, epl_env, replicas, config={
+        "communication.local_reduction": "auto", "debug.dump_dir": dump_dir})
+    assert not [op for op in graph.get_operations() if op.type.startswith("Collective")]
+    sums = [op for op in graph.get_operations() if is_reduction_to_one_device(op)]
+    assert len(sums) == 1 and sums[0].device == "/device:CPU:0"
+    (total,) = sums
+    assert [t.op.device for t in total.inputs] == [f"/device:CPU:{k}" for k in range(replicas)]
+    near, frontier = set(), [total]    # the mean's division, then the copies
+    for _ in range(2):
+        frontier = [c for op in frontier for t in op.outputs for c in t.consumers()]
+        near.update(frontier)
+    assert {op.device for op in near if op.type == "Identity"} == {
+        f"/device:CPU:{k}" for k in range(1, replicas)}
+    assert is_collective(total)
+    capsys.readouterr()
+    assert epl_dump.main([dump_dir, "--limit", "100000"]) == 0
+    assert f"one-device size={replicas}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("use_resource", [True, False])

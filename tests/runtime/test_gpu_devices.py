@@ -118,7 +118,9 @@ def test_bad_hint_is_refused():
 
 
 def test_epl_picks_the_default_hint_on_cpu(models, epl_env):
-    epl_env({"cluster.virtual_devices": 2})
+    """With TensorFlow's collectives among CPU devices (communication.local_reduction
+    "collective"; the CPU default sums on one device) the hint is TensorFlow's default."""
+    epl_env({"cluster.virtual_devices": 2, "communication.local_reduction": "collective"})
     import epl
     with tf.Graph().as_default() as graph:
         models.build("mlp", "sgd")
@@ -126,6 +128,17 @@ def test_epl_picks_the_default_hint_on_cpu(models, epl_env):
     reduces = [op for op in graph.get_operations() if op.type == "CollectiveReduce"]
     assert reduces
     assert {op.get_attr("communication_hint").decode() for op in reduces} == {"auto"}
+
+
+@pytest.mark.parametrize("device_type,choice,expected", [
+    ("CPU", "auto", True), ("GPU", "auto", False), ("GPU", "one_device", True),
+    ("CPU", "collective", False)])
+def test_local_reduction_sums_on_one_device_among_cpus_by_default(device_type, choice,
+                                                                   expected):
+    from epl.config import Config
+    from epl.runtime.communicators import reduces_to_one_device
+    config = Config({"communication.local_reduction": choice})
+    assert reduces_to_one_device(Cluster(device_type, 2), config) is expected
 
 
 # ----------------------------------------------------------- session config --
