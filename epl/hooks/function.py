@@ -369,8 +369,9 @@ def _unbundle_identity_n(graph: tf.Graph, record: GraphRecord) -> int:
 def _lowered_split(lowered: Lowered, split: SplitRecord) -> SplitRecord:
     """The split pass's record of a TaskGraph of the trace, on the lowered graph. Its
     variables stay the user's (slice mode): none was replaced by shards. Each
-    variable it sliced is tagged with the split TaskGraph in the lowered graph, so
-    that the analysis takes it for a split variable (updated once, not mirrored)."""
+    variable the split ops alone read (cut onto the devices, or whole: an embedding
+    table) is tagged with the split TaskGraph in the lowered graph, so that the
+    analysis takes it for a split variable (updated once, not mirrored)."""
     tensor, op = lowered.tensor, lowered.op
     for sharded in split.sliced:
         graph_mutation.set_attr(lowered.graph.get_operation_by_name(sharded), TASKGRAPH_ATTR,

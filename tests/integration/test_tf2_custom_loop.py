@@ -7,7 +7,7 @@ replicas x micro-batches); "iterator": the step draws from a tf.data iterator
 (each unit draws its own batch of the script's size, R x M per call). ZeRO runs
 with tf.compat.v1.train.AdamOptimizer (one update op per variable); "split" builds
 the classifier under epl.split(2) (the custom model's body under epl.replicate,
-the transformer's unscoped). After 3
+the transformer's unscoped), "split_embedding" the transformer's embeddings too. After 3
 calls every variable and the running loss equal single-device training on the
 units' batches (tests/tf2_oracle.py). All cases run in one Keras 3 process.
 """
@@ -20,7 +20,8 @@ import tf2_oracle
 CASES = ["convnet:tensors:ga", "convnet:tensors:zero", "custom:iterator:dp",
          "custom:iterator:gpipe", "custom:iterator:zero", "transformer:iterator:gc",
          "custom:tensors:amp", "custom:iterator:zero_keras", "custom:iterator:split",
-         "custom:tensors:split", "transformer:tensors:split"]
+         "custom:tensors:split", "transformer:tensors:split",
+         "transformer:iterator:split_embedding"]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ Imported by the eager worker scripts (tests/workers/tf2_worker.py and others), w
 processes without TF_USE_LEGACY_KERAS (Keras 3), after EPL created the virtual devices.
 
 Models (tiny, for speed; `stages=True` builds each in two pipeline stages,
-`split=True` builds its classifier under epl.split):
+`split=True` builds its classifier under epl.split; the transformer's
+`split="embedding"` builds its embeddings under a second epl.split too):
 - `convnet`: Conv2D, BatchNormalization, ReLU, MaxPooling2D, Dropout, Dense
   (keras.io "Simple MNIST convnet", with batch norm);
 - `transformer`: token and position embeddings, a transformer block with
@@ -107,12 +108,14 @@ class TransformerBlock(layers.Layer):
         return self.layernorm2(out1 + ffn_output)
 
 
-def transformer(use_epl: bool = False, stages: bool = False, split: bool = False) -> keras.Model:
+def transformer(use_epl: bool = False, stages: bool = False, split: bool | str = False
+                ) -> keras.Model:
     """A text classifier: embeddings, one transformer block, pooling, a dense head."""
     keras.utils.set_random_seed(2)
     with scope(use_epl and stages, name="stage_0"):
         inputs = layers.Input(shape=(MAXLEN,), dtype="int32")
-        embedding = TokenAndPositionEmbedding(MAXLEN, VOCAB, EMBED)
+        with scope(use_epl and split == "embedding", "split", name="embedding"):
+            embedding = TokenAndPositionEmbedding(MAXLEN, VOCAB, EMBED)
         block = TransformerBlock(EMBED, HEADS, FF)
     with scope(use_epl and stages, name="stage_1"):
         pool = layers.GlobalAveragePooling1D()

@@ -3,8 +3,7 @@
     python tests/workers/tf2_refusals_worker.py [--late-init]
 
 Prints one `REFUSED <case>: <type>: <message>` line per case (a case that runs
-instead prints `RAN <case>`): an Embedding under epl.split in a tf.function step;
-a custom train_step under fit whose loss metric reads the split classifier's loss
+instead prints `RAN <case>`): a custom train_step under fit whose loss metric reads the split classifier's loss
 while the body runs under epl.replicate; with --late-init, a step traced when TensorFlow
 ran an op before epl.init could create its devices.
 """
@@ -39,25 +38,6 @@ def case(name: str, fn) -> None:
     env.reset()
 
 
-def split_embedding_in_a_step() -> None:
-    epl.init(epl.Config({"cluster.virtual_devices": 2}))
-    with epl.split(2, name="vocabulary"):
-        table = keras.layers.Embedding(10, 4, name="tokens")
-    model = keras.Sequential([keras.Input((3,), dtype="int32"), table,
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(6)])
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
-    step(tf.zeros((8, 3), tf.int32), tf.zeros(8, tf.int64))
-
-
 def split_loss_metric_in_a_custom_fit() -> None:
     """tests/workers/tf2_models.py's subclassed model: its train_step updates the loss
     tracker from the loss the split classifier computes (once, over the batch fit
@@ -88,5 +68,4 @@ if __name__ == "__main__":
     if LATE:
         case("late_init", late_init)
     else:
-        case("split_embedding_in_a_step", split_embedding_in_a_step)
         case("split_loss_metric_in_a_custom_fit", split_loss_metric_in_a_custom_fit)

@@ -8,7 +8,8 @@ writes FILE (npz), per case C = "model:mode:strategy": `C/losses` (the running m
 loss after each step, as Keras logs it), `C/var_<i>` (every variable after
 training), `C/rewrites` (how many traced steps EPL rewrote), `C/state` (the names
 of the variables EPL created for them), `C/split_ops` ("type slot device" of the
-split ops in the rewritten functions), `C/reference` (the key R of the reference),
+split ops in the rewritten functions), `C/unsharded` (the
+SplitUnshardedVariableWarning messages), `C/reference` (the key R of the reference),
 and for each reference `R/losses`, `R/var_<i>` and its noise floor `R/reversed/...`.
 
 Modes: `fit` (model.compile + model.fit on a tf.data.Dataset of global batches);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 os.environ.pop("TF_USE_LEGACY_KERAS", None)   # Keras 3
 
@@ -37,10 +39,13 @@ from epl.runtime import eager_state   # noqa: E402
 
 import tf2_models as models   # noqa: E402
 from epl.hooks import function as function_hooks   # noqa: E402
+from epl.passes.split.rewriter import SplitUnshardedVariableWarning   # noqa: E402
 from epl.ir.annotations import SHARD_ATTR   # noqa: E402
 
 # (op type, shard slot, device) of every split op of the rewritten traces
 SPLIT_OPS: set = set()
+# the SplitUnshardedVariableWarning messages of the last case
+UNSHARDED: list = []
 _REWRITE = function_hooks.rewrite
 
 
@@ -76,7 +81,11 @@ STRATEGIES = {
     "zero_keras": ({"cluster.virtual_devices": 2, "zero.level": "v1"}, False, 2, 1, "adam"),
     # the classifier under epl.split(2), the rest data-parallel on the same 2 devices
     "split": ({"cluster.virtual_devices": 2}, False, 2, 1, "adam"),
+    # the transformer's embeddings under a second epl.split(2) too (their lookups run
+    # unsplit in a traced step, each table reported kept whole)
+    "split_embedding": ({"cluster.virtual_devices": 2}, False, 2, 1, "adam"),
 }
+SPLIT_KINDS = {"split": True, "split_embedding": "embedding"}
 
 
 def step_batches(x, y, units: int) -> list:
@@ -100,14 +109,19 @@ def run_epl(name: str, mode: str, strategy: str, initial, x, y) -> tuple:
     before = eager_state.StepState.created
     eager_state.StepState.names = []
     SPLIT_OPS.clear()
-    model = models.MODELS[name](use_epl=True, stages=stages, split=strategy == "split")
-    model.set_weights(initial)
-    opt = models.optimizer(opt_name)
-    units = replicas * micro
-    if mode == "fit":
-        losses = _fit(model, opt, x, y, units * UNIT_ROWS)
-    else:
-        losses = _loop(model, opt, x, y, units, mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SplitUnshardedVariableWarning)
+        model = models.MODELS[name](use_epl=True, stages=stages,
+                                    split=SPLIT_KINDS.get(strategy, False))
+        model.set_weights(initial)
+        opt = models.optimizer(opt_name)
+        units = replicas * micro
+        if mode == "fit":
+            losses = _fit(model, opt, x, y, units * UNIT_ROWS)
+        else:
+            losses = _loop(model, opt, x, y, units, mode)
+    UNSHARDED[:] = sorted({str(w.message) for w in caught
+                           if issubclass(w.category, SplitUnshardedVariableWarning)})
     rewrites = eager_state.StepState.created - before
     env.reset()
     split_ops = sorted(f"{kind} {slot} {device}" for kind, slot, device in SPLIT_OPS)
@@ -176,6 +190,7 @@ def main() -> None:
         print(f"case {case}", flush=True)
         losses, values, rewrites, state, split_ops = run_epl(name, mode, strategy, initial, x, y)
         record[f"{case}/split_ops"] = np.array(split_ops)
+        record[f"{case}/unsharded"] = np.array(UNSHARDED, dtype=str)
         record[f"{case}/losses"] = np.array(losses)
         record[f"{case}/rewrites"] = np.array(rewrites)
         record[f"{case}/state"] = np.array(state)

@@ -236,12 +236,15 @@ def copy_backward(view, plan, source, unit, micro, source_grads, source_ops,
 
 
 def copy_apply(view, plan, k, apply_ops, slices, mirrors, forward_map, grads, micro: int,
-               batch: NodeBatch) -> OpCopier:
+               batch: NodeBatch, shared_sparse: dict | None = None) -> OpCopier:
     """Write the copies of the update (apply) ops for replica k > 0 (reading its
     gradients, micro-batch 0's until the accumulate pass) into `batch`; the returned copier's `result` maps
-    them once the batch is committed."""
+    them once the batch is committed. shared_sparse: {original values or indices:
+    what every replica reads instead} of sparse gradients computed once for all
+    replicas (split variables')."""
     input_map = unit_input_map(slices, mirrors, k, k * micro)
     input_map.update(gradient_map(view, grads))
+    input_map.update(shared_sparse or {})
     copier = OpCopier(view.graph, REPLICA_PREFIX.format(k),
                       lambda op: plan.device(view.taskgraph_of[op], k), input_map,
                       replica_attr(k), known=forward_map, batch=batch)

@@ -589,7 +589,8 @@ def shape_constants_of(view) -> dict:
     size into the graph; each unit must use the shape of its own slice instead.
     A constant matches t when it is an integer vector equal to t's static shape,
     t's first dimension is the global batch and t is a batch input or a forward
-    op computed from one; t is the latest such tensor created before the
+    op computed from one (also through split ops: a split op's output a forward op
+    reads); t is the latest such tensor created before the
     constant (tf.shape folds an existing tensor). Read from values and shapes,
     never from names.
     """
@@ -597,7 +598,10 @@ def shape_constants_of(view) -> dict:
     if batch is None:
         return {}
     forward = {op for op in view.replica_ops if view.phase_of[op] == Phase.FORWARD}
-    derived = descendants(view.batch_inputs, within=forward)
+    # through split ops too: a split part before the replicated body (an embedding
+    # under epl.split) returns the global batch's rows to it
+    split = set(view.split_ops)
+    derived = descendants(view.batch_inputs, within=forward | split)
     latest: dict = {}
     for tensor in view.batch_inputs:
         if tensor.shape.is_fully_defined():
@@ -611,6 +615,8 @@ def shape_constants_of(view) -> dict:
                 found[op] = latest[value]
         if op in derived:
             for tensor in op.outputs:
+                if op in split and not any(c in forward for c in tensor.consumers()):
+                    continue   # only what the split part hands to the replicas
                 shape = tensor.shape
                 if shape.rank and shape.is_fully_defined() and shape[0] == batch:
                     latest[tuple(shape.as_list())] = tensor

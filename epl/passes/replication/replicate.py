@@ -206,20 +206,25 @@ class ReplicatePass(GraphPass):
         replica_maps = [dict(forward_copies[(k, 0)]) for k in range(replicas)]
         # the update copies of replicas k > 0 (made before the originals are rewired)
         # and, with one worker and no split, the sync ops: one import
+        # a split variable's sparse gradient is computed once, for every replica (its
+        # rows are complete: not gathered by the gradient pass); every replica's update
+        # ops that read it (a Keras 3 optimizer's slot updates) read that one
+        split_sparse = {}
+        for (orig, var), new in zip(view.gradients, gradients[0]):
+            if var in split_vars and isinstance(orig, tf.IndexedSlices):
+                split_sparse[orig.values] = with_dynamic_rows(new.values, orig.values)
+                split_sparse[orig.indices] = with_dynamic_rows(new.indices, orig.indices)
         batch = NodeBatch(graph)
         copiers = {k: copies.copy_apply(view, plan, k, setup.apply_ops, unit_inputs.tensors,
-                                        mirrors, replica_maps[k], gradients[k], micro, batch)
+                                        mirrors, replica_maps[k], gradients[k], micro, batch,
+                                        split_sparse)
                    for k in range(1, replicas)}
         local_sync = write_local_sync(mirrors, batch) \
             if workers == 1 and not view.split_ops else None
         created = batch.commit()
         for k, copier in copiers.items():
             replica_maps[k].update(copier.result(created))
-        gradient_map = copies.gradient_map(view, gradients[0])
-        for (orig, var), new in zip(view.gradients, gradients[0]):
-            if var in split_vars and isinstance(orig, tf.IndexedSlices):
-                gradient_map[orig.values] = with_dynamic_rows(new.values, orig.values)
-                gradient_map[orig.indices] = with_dynamic_rows(new.indices, orig.indices)
+        gradient_map = {**copies.gradient_map(view, gradients[0]), **split_sparse}
         copies.rewire_replica0_apply(setup.apply_ops + view.split_apply_ops, replica_maps[0],
                                      gradient_map)
         copies.chain_train_ops(view, replica_maps)

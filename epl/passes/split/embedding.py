@@ -3,6 +3,11 @@
 GatherV2 / ResourceGather with a vocabulary-split table: each id is looked up
 on the shard that owns it (dynamic partition and stitch, so sparse gradients
 touch only real rows).
+
+In a traced tf.function step (slice mode) the lookup is left unsplit: the table is
+the user's whole eager variable there, and cutting its value onto the devices would
+turn its IndexedSlices gradient into a dense one (the cut's gradient is a Concat);
+the table is reported kept whole (SplitUnshardedVariableWarning), with why.
 """
 from __future__ import annotations
 
@@ -17,7 +22,6 @@ from epl.passes.split.rules import rule
 @rule("GatherV2", "ResourceGather")
 def _embedding(rw: Rewriter, op, layouts):
     """Vocabulary-split table: each id is looked up on the shard that owns it."""
-    rw.refuse_across_workers(f"the embedding lookup {op.name} would need every worker's ids")
     if op.type == "ResourceGather":
         variable = handle_input(op, rw.variables)
         if variable is None or op.get_attr("batch_dims") != 0:
@@ -37,15 +41,13 @@ def _embedding(rw: Rewriter, op, layouts):
     if not is_full(ids_layout):
         return None
     if isinstance(table, Pending) and rw.slice_reads:
-        raise ParallelizeError(
-            f"the embedding lookup {op.name} reads table {table.variable.name} (shape "
-            f"{table.variable.shape.as_list()}) under epl.split ({rw.taskgraph}) in a "
-            "tf.function training step, which EPL does not split in eager TensorFlow 2: "
-            "there the table stays the user's whole variable, so a split lookup would give "
-            "it a dense gradient where single-device training gives IndexedSlices, and "
-            "Keras optimizers update the two differently. Build the Embedding outside epl.split (data-parallel), "
-            "or split it in a graph-mode program (tf.compat.v1.disable_eager_execution()), "
-            "where the table becomes shards.")
+        rw.keep_whole(table.variable.op, (
+            f"in a tf.function training step EPL runs its lookup {op.name} unsplit: the "
+            "table stays the user's whole eager variable, so a vocabulary split would save "
+            "no memory, and the table's gradient stays the IndexedSlices single-device "
+            "training gives it (the layers after the lookup are split as usual)"))
+        return None
+    rw.refuse_across_workers(f"the embedding lookup {op.name} would need every worker's ids")
     if isinstance(table, Pending):
         what = (f"vocabulary ({table.variable.shape[0]} rows) of embedding table "
                 f"{table.variable.op.name}")

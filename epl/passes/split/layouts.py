@@ -72,8 +72,10 @@ class SplitRecord:
     ops: the ops the region runs (per-slot ops and ops left unsplit).
     fallbacks: "op (type)" of ops with a sharded input that ran unsplit.
     unsharded: "variable: why" for variables created in the TaskGraph that stay whole.
-    sliced: slice mode (a traced tf.function step): the names of the variable ops read
-      whole and cut onto the slots (not replaced by shards).
+    sliced: slice mode (a traced tf.function step): the names of the variable ops the
+      TaskGraph owns (its ops alone read them), each read whole, and cut onto the
+      slots where a rule splits it (never replaced by shards): split variables,
+      updated once, not mirrored.
     """
 
     taskgraph: str

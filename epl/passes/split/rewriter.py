@@ -73,6 +73,11 @@ class Rewriter:
         self._full_cache: dict = {}
         self._name = ""
         self.readers: dict = {}     # variable op -> [(op, input layouts)] that read it in the walk
+        self.kept_whole: dict = {}  # variable op -> why a rule chose to leave it whole
+
+    def keep_whole(self, variable_op, reason: str) -> None:
+        """A rule leaves `variable_op` whole on purpose; `reason` is reported as why."""
+        self.kept_whole.setdefault(variable_op, reason)
 
     # -- construction helpers ------------------------------------------------
     def attrs(self, slot: int | None) -> dict:
@@ -467,7 +472,8 @@ class Rewriter:
             if variable_op in self.sharded:
                 continue
             reason = self._why_whole(variable_op, region)
-            name = variable_op.name
+            # slice mode: the user's eager variable's name (not its capture's)
+            name = variable.name if self.slice_reads else variable_op.name
             self.record.unsharded.append(f"{name}: {reason}")
             message = (
                 f"epl.split: variable {name} (shape {variable.shape.as_list()}) is created under "
@@ -480,6 +486,8 @@ class Rewriter:
             warnings.warn(message, SplitUnshardedVariableWarning, stacklevel=2)
 
     def _why_whole(self, variable_op, region: set) -> str:
+        if variable_op in self.kept_whole:
+            return self.kept_whole[variable_op]
         readers = self.readers.get(variable_op)
         if readers:
             op, layouts = readers[0]

@@ -188,7 +188,10 @@ class SplitPass(GraphPass):
             with graph.name_scope(None), graph.control_dependencies(None):
                 rewriter.run(region, batch_derived)
                 rewriter.finish(set(region))
-            record.sliced = [variable_op.name for variable_op in rewriter.sliced]
+            # slice mode: every variable the split ops alone read (cut or kept whole, as
+            # an embedding table is) is a split variable, updated once
+            record.sliced = [variable_op.name for variable_op in
+                             (variables if captured is not None else rewriter.sliced)]
             for variable_op, sharded in ({} if captured is not None else rewriter.sharded).items():
                 graph_mutation.set_attr(variable_op, SPLIT_REPLACED_ATTR,
                                         tf.compat.v1.AttrValue(b=True))
