@@ -6,9 +6,11 @@ Each worker trains the subclassed model of tests/workers/tf2_models.py on its ow
 half of every global batch (fit: its half is the batch fit cuts among its 2
 replicas; the loop: a step drawing from its own iterator, 2 units of the script's
 batch per call; "split": the same loop with the classifier under epl.split(2) over
-the worker's devices), and compares its variables after 3 steps with single-device
-training on the whole global batches, computed in this same process without EPL.
-Writes OUT_DIR/rank<r>.json: {mode: largest difference of any variable}.
+the worker's devices; "split_embedding": the loop on the transformer with its
+embeddings and classifier under epl.split(2)), and compares its variables after 3
+steps with single-device training on the whole global batches, computed in this
+same process without EPL. Writes OUT_DIR/rank<r>.json: {mode: largest difference of
+any variable}, and for "split_embedding" [difference, noise floor] per variable.
 """
 from __future__ import annotations
 
@@ -57,7 +59,10 @@ def mine(x, y, rank: int, mode: str):
 def train_epl(initial, x, y, rank: int, mode: str):
     epl.init(epl.Config({"cluster.virtual_devices": 2,
                          "communication.collective_timeout_s": 60}))
-    model = models.custom(use_epl=True, split=mode == "split")
+    if mode == "split_embedding":
+        model = models.transformer(use_epl=True, split="embedding")
+    else:
+        model = models.custom(use_epl=True, split=mode == "split")
     model.set_weights(initial)
     data = mine(x, y, rank, mode)
     if mode == "fit":
@@ -83,20 +88,38 @@ def train_epl(initial, x, y, rank: int, mode: str):
     return models.weights(model)
 
 
+def reference(name: str, initial, x, y, reverse: bool = False) -> list:
+    """The variables of single-device training of model `name` on the global batches
+    (`reverse`: each unit's gradient taken on its own and added in the other order,
+    the same function with another rounding: the noise floor)."""
+    model = models.MODELS[name]()
+    model.set_weights(initial)
+    models.reference_training(model, models.optimizer("adam"), global_batches(x, y),
+                              replicas=WORKERS * 2, micro=1, reverse=reverse)
+    return models.weights(model)
+
+
 def main() -> None:
     out_dir = sys.argv[1]
-    x, y = models.data("custom", STEPS * WORKERS * ROWS)
-    initial = models.custom().get_weights()
-    reference = models.custom()
-    reference.set_weights(initial)
-    models.reference_training(reference, models.optimizer("adam"), global_batches(x, y),
-                              replicas=WORKERS * 2, micro=1)
-    expected = models.weights(reference)
     rank = int(os.environ["HOROVOD_RANK"])
     record = {}
+    x, y = models.data("custom", STEPS * WORKERS * ROWS)
+    initial = models.custom().get_weights()
+    expected = reference("custom", initial, x, y)
     for mode in ("fit", "iterator", "split"):
         got = train_epl(initial, x, y, rank, mode)
         record[mode] = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
+    # the transformer with its embeddings and classifier under epl.split: per variable,
+    # the difference and the noise floor (the reversed reference's difference)
+    x, y = models.data("transformer", STEPS * WORKERS * ROWS)
+    initial = models.transformer().get_weights()
+    expected = reference("transformer", initial, x, y)
+    other = reference("transformer", initial, x, y, reverse=True)
+    got = train_epl(initial, x, y, rank, "split_embedding")
+    record["split_embedding"] = [
+        [float(np.max(np.abs(a - b))) if a.size else 0.0,
+         float(np.max(np.abs(c.astype(np.float64) - b))) if a.size else 0.0]
+        for a, b, c in zip(got, expected, other)]
     write_record(out_dir, rank, record)
 
 
