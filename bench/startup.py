@@ -63,6 +63,7 @@ creation, initialization and first step) at the same configuration.
     python bench/startup.py                         # L 12 24, M 4 16 64, DP 4, 3 repeats
     python bench/startup.py --layers 12 --micro-batches 4 16 --repeats 1 --timeout 400
     python bench/startup.py --quick                 # 2 layers, M 2 4, DP 2, 1 repeat (smoke test)
+    python bench/startup.py --no-grappler ...       # the same with Grappler off on both sides
 """
 from __future__ import annotations
 
@@ -98,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run EPL at larger M even after a smaller M timed out")
     parser.add_argument("--quick", action="store_true",
                         help="2 layers, M 2 4, DP 2 replicas, 1 repeat, 2 steps (smoke test)")
+    parser.add_argument("--no-grappler", action="store_true",
+                        help="both sides' sessions with Grappler off (rewrite_options."
+                        "disable_meta_optimizer): how much of the first step is graph "
+                        "optimization")
     parser.add_argument("--child", help=argparse.SUPPRESS)   # internal: one measurement
     args = parser.parse_args(argv)
     if args.quick:
@@ -195,7 +200,10 @@ def run_child(spec: dict) -> None:
     start = time.perf_counter()
     with graph.as_default():
         init = tf.compat.v1.global_variables_initializer()
-    session = tf.compat.v1.Session(graph=graph)
+    session_config = tf.compat.v1.ConfigProto()
+    if not spec.get("grappler", True):
+        session_config.graph_options.rewrite_options.disable_meta_optimizer = True
+    session = tf.compat.v1.Session(graph=graph, config=session_config)
     session.run(init)
     session.run(train_op)
     _emit(phase="first", first_s=time.perf_counter() - start)
@@ -309,7 +317,8 @@ def main(argv=None) -> dict:
     with quiet_tensorflow_startup():   # common imports TensorFlow
         from common import format_table
 
-    base = {"batch": args.batch, "hidden": args.hidden, "steps": args.steps}
+    base = {"batch": args.batch, "hidden": args.hidden, "steps": args.steps,
+            "grappler": not args.no_grappler}
     configs = []   # (label, spec)
     for layers in args.layers:
         for micro in args.micro_batches:
@@ -326,7 +335,8 @@ def main(argv=None) -> dict:
           f"devices, micro-batch {args.batch}; data parallelism: {dp}; plain TensorFlow: one "
           f"device, the same global batch; medians of "
           f"{args.repeats} run(s), each (configuration, side) in a fresh process, timeout "
-          f"{args.timeout:.0f} s per process", flush=True)
+          f"{args.timeout:.0f} s per process"
+          + ("; Grappler off in both sides' sessions" if args.no_grappler else ""), flush=True)
 
     runs = {(label, side): [] for label, _ in configs for side in ("epl", "plain")}
     skipped = {}   # label -> why EPL was not run
