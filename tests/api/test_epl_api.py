@@ -355,3 +355,22 @@ def test_max_splits_default_caps_fusion_buckets_at_five(models):
     tiny = {"communication.fusion_threshold_mb": 1e-6}
     assert _collective_count(models, tiny) == 2 * 4
     assert _collective_count(models, {**tiny, "communication.max_splits": 0}) == 2 * 6
+
+
+def test_sessions_of_a_rewritten_graph_run_one_round_of_grappler_unless_asked():
+    """A rewritten graph's session config asks Grappler for one round of its optimizers
+    (epl.parallel.ParallelizeResult.session_config), keeps a number the script set, and
+    keeps the script's other settings."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    rounds = rewriter_config_pb2.RewriterConfig
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    result = epl.parallelize(_annotated_graph())
+    config = result.session_config(None)
+    assert config.graph_options.rewrite_options.meta_optimizer_iterations == rounds.ONE
+    assert config.device_count["CPU"] == 2
+    base = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+    base.graph_options.rewrite_options.meta_optimizer_iterations = rounds.TWO
+    config = result.session_config(base)
+    assert config.graph_options.rewrite_options.meta_optimizer_iterations == rounds.TWO
+    assert config.allow_soft_placement
+    assert base.device_count.get("CPU", 1) == 1   # the script's config is not changed
