@@ -80,3 +80,53 @@ def test_node_batch_maps_existing_tensors_and_ops():
     assert op.inputs[0] is a and op.control_inputs == [marker]
     with tf.compat.v1.Session(graph=graph) as session:
         assert session.run(op.outputs[0]).tolist() == [1.0, 4.0]
+
+
+def test_a_constant_pool_gives_each_replica_and_device_one_copy_of_a_constant():
+    """Copies sharing a ConstantPool read one copy of a constant per (template, device,
+    replica attribute), within one import and across imports; a constant with a
+    control input (as inside TF1 control flow) is copied for each unit."""
+    from epl.ir.clone import ConstantPool, OpCopier
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+        scale = tf.constant(2.0, name="scale")
+        with tf.control_dependencies([x.op]):
+            gated = tf.constant(3.0, name="gated")
+        y = tf.identity(x * scale + gated, name="y")
+    ops = [scale.op, gated.op, y.op.inputs[0].op.inputs[0].op, y.op.inputs[0].op, y.op]
+    replica = lambda k: {"_epl_replica": tf.compat.v1.AttrValue(i=k)}  # noqa: E731
+    pool = ConstantPool("_epl_replica")
+
+    def copy(batch, prefix, device, k):
+        copier = OpCopier(graph, prefix, lambda op: device, {}, replica(k), batch=batch,
+                          constants=pool)
+        for op in ops:
+            copier.copy(op)
+        copier.close()
+        return copier
+
+    batch = NodeBatch(graph)
+    first = [copy(batch, f"U{m}", "/device:CPU:0", 0) for m in range(2)]
+    other_device = copy(batch, "D1", "/device:CPU:1", 0)
+    other_replica = copy(batch, "R1", "/device:CPU:0", 1)
+    created = batch.commit()
+    later_batch = NodeBatch(graph)
+    later = copy(later_batch, "U2", "/device:CPU:0", 0)
+    later_created = later_batch.commit()
+
+    maps = [c.result(created) for c in first + [other_device, other_replica]]
+    maps.append(later.result(later_created))
+    shared = maps[0][scale.op]
+    assert shared.name == "U0/scale"
+    assert maps[1][scale.op] is shared and maps[4][scale.op] is shared
+    assert maps[2][scale.op] is not shared and maps[3][scale.op] is not shared
+    assert len({m[gated.op] for m in maps}) == 5   # gated: one copy per unit
+    assert first[1].shared() == {scale.op} and later.shared() == {scale.op}
+    assert first[0].shared() == set()
+    mul = y.op.inputs[0].op.inputs[0].op
+    assert maps[4][mul].inputs[1].op is shared and maps[1][mul].inputs[1].op is shared
+    with tf.compat.v1.Session(graph=graph) as session:
+        values = session.run([m[y.op].outputs[0] for m in maps], {x: np.ones([4, 3])})
+    for value in values:
+        np.testing.assert_array_equal(value, np.full([4, 3], 5.0, np.float32))

@@ -151,3 +151,53 @@ def test_one_row_slice_falls_back_to_autodiff(tmp_path):
     note = next(n for n in _replicate_notes(tmp_path) if n.startswith("backward ops:"))
     assert note.startswith("backward ops: copied from the template for 1 unit(s), autodiff for 1")
     assert "has a dimension of 1 where the template has more" in note
+
+
+def test_the_gradient_gates_are_not_copied_but_a_users_waiting_identity_is():
+    """tf.tuple's gates (a NoOp waiting for an op's gradients, an Identity per
+    gradient waiting for it) only order; the copies read the gradients directly.
+    A NoOp that waits for a stateful op (an assign) is not a gate."""
+    from epl.passes.replication.backward_copy import gates
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+        w = tf.compat.v1.get_variable("w", [3, 2])
+        counter = tf.compat.v1.get_variable("counter", [], initializer=tf.zeros_initializer())
+        loss = tf.reduce_sum(tf.nn.relu(tf.matmul(x, w)) * 2.0 + 1.0)
+        start = len(graph.get_operations())
+        grad, = tf.compat.v1.gradients(loss, [w], gate_gradients=True)
+        backward = graph.get_operations()[start:]
+        bump = counter.assign_add(1.0)
+        waits = tf.group(bump, grad.op)
+        with tf.control_dependencies([waits]):
+            passed = tf.identity(grad)
+    noops, identities = gates(backward + [waits, passed.op])
+    tuple_noops = {op for op in backward if op.type == "NoOp"}
+    # the user's group waits for w's gradient Identity: that gate stays whole
+    kept = grad.op.control_inputs[0]
+    assert len(tuple_noops) == 3 and noops == tuple_noops - {kept}
+    assert identities == {op for op in backward if op.type == "Identity"
+                          and list(op.control_inputs) and op.control_inputs[0] in noops}
+    assert grad.op not in identities
+    assert waits not in noops and passed.op not in identities
+
+
+def test_replica_copies_have_no_gates_and_train_exactly(tmp_path):
+    """The copied backward of every unit reads the gradients without tf.tuple's gates
+    (the template keeps its own), and data parallelism with micro-batches still
+    equals single-device training (the oracle above)."""
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2}))
+    graph = tf.Graph()
+    with graph.as_default():
+        with epl.replicate(device_count=1):
+            x = tf.constant(np.arange(24, dtype=np.float32).reshape(8, 3) / 10)
+            logits = tf.compat.v1.layers.dense(x, 2)
+            loss = tf.reduce_mean(tf.square(logits))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        epl.parallelize(graph)
+    copies = [op for op in graph.get_operations() if REPLICA_ATTR in op.node_def.attr
+              and op.get_attr(PHASE_ATTR) == b"backward"]
+    assert copies
+    assert not [op for op in copies if op.type in ("NoOp", "Identity")]
+    env.reset()

@@ -273,11 +273,18 @@ def test_stages_micro_batches_and_one_apply_per_step():
         micro = _attr(op, MICRO_BATCH_ATTR)
         if phase in ("forward", "backward") and replica is not None and micro is not None:
             assert op.device == stage_device[(_attr(op, TASKGRAPH_ATTR), replica)], op.name
+            if op.type == "Const" and not op.control_inputs:
+                continue
             units[(replica, micro, phase)] += 1
     assert set(units) == {(r, m, p) for r in (0, 1) for m in (0, 1)
                           for p in ("forward", "backward")}
     forward_counts = {n for (r, m, p), n in units.items() if p == "forward"}
     assert len(forward_counts) == 1  # every (replica, micro-batch) copies the same forward ops
+    # but the constants: one copy per replica and device, which both micro-batches read
+    for replica in (0, 1):
+        constants = [op for op in result.replication.forward_copies[(replica, 1)].values()
+                     if op.type == "Const" and not op.control_inputs]
+        assert constants and {_attr(op, MICRO_BATCH_ATTR) for op in constants} == {0}
     # One update per variable per replica per step, on the variable's stage device.
     updates = [op for op in graph.get_operations() if op.type == "ResourceApplyGradientDescent"]
     assert len(updates) == 2 * 9

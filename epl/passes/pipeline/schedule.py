@@ -12,7 +12,11 @@ on stage s; its ops, for replica r, are
   pass's adds of (r, m)'s gradients (epl/passes/pipeline/accumulate.py),
 
 restricted to the ops a training step runs (ancestors of the train ops and of
-the loss copies), so that no control edge forces extra work.
+the loss copies), so that no control edge forces extra work, and without
+constants (a `Const` with no inputs: it computes nothing and holds no memory
+that grows, so ordering it orders nothing; the micro-batches of a replica share
+one copy of each constant, epl.ir.clone.ConstantPool, which would otherwise
+sit in several steps at once).
 
 For consecutive steps A -> B in a stage's row of
 `make_schedule(pipeline.strategy, S, M)` (`Schedule.execution_dependencies`),
@@ -113,6 +117,8 @@ def _step_ops(replication, accumulation, replica: int, stages: dict, live: set) 
         backward = list(replication.backward_ops[(replica, m)]) + added.get((replica, m), [])
         for kind, ops in ((FORWARD, forward), (BACKWARD, backward)):
             for op in ops:
+                if op.type == "Const" and not op.inputs and not op.control_inputs:
+                    continue
                 stage = _stage_index(op, stages)
                 if op in live and stage is not None:
                     groups.setdefault(Step(stage, m, kind), []).append(op)

@@ -37,7 +37,7 @@ from epl.passes.replication.names import REPLICA_PREFIX, replica_attr, unit_pref
 
 
 def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inputs=None,
-                  device_of=None, own_functions: bool = False) -> dict:
+                  device_of=None, own_functions: bool = False, pool=None) -> dict:
     """Copy the forward ops for each unit (replica k, micro-batch m), reading its
     batch (`inputs`, a UnitInputs) and replica k's variables, onto replica k's
     devices; one import for all units. Returns {unit: {template op: its copy}}.
@@ -51,7 +51,8 @@ def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inpu
     A constant in `inputs.shape_constants` (a folded static shape of a
     batch-sized tensor, global mode) becomes a Shape op of the unit's copy of
     that tensor. Copies are named `EPL_REPLICA_<k>/` (plus
-    `EPL_MICRO_BATCH_<m>/` when M > 1).
+    `EPL_MICRO_BATCH_<m>/` when M > 1). pool: a ConstantPool (one copy of
+    a constant per replica and device, epl.ir.clone) or None.
     """
     shape_consts = inputs.shape_constants
     shared = view.writes.shared_variables
@@ -77,7 +78,7 @@ def copy_forwards(view, plan, units, micro, forward, inputs, mirrors, extra_inpu
 
         copier = copiers[unit] = OpCopier(view.graph, unit_prefix(k, m, micro), device_fn,
                                           input_map, attrs, cache=sources, batch=batch,
-                                          stream=k * micro + m)
+                                          stream=k * micro + m, constants=pool)
         for op in forward:
             if op in shape_consts:
                 source = shape_consts[op]
@@ -161,7 +162,7 @@ def backward_only(new_ops: list, forward_map: dict) -> list:
 
 
 def copy_templates(view, plan, amp_on: bool, checkpoints, units, micro, forward_copies, slices,
-                   mirrors) -> tuple[dict, list]:
+                   mirrors, pool=None) -> tuple[dict, list]:
     """The template's backward ops copied for every unit they can be copied for
     (reading the unit's forward copies, slices and variables, batch-derived
     constants rewritten), in one import.
@@ -192,7 +193,7 @@ def copy_templates(view, plan, amp_on: bool, checkpoints, units, micro, forward_
             batch, unit_prefix(k, m, micro),
             lambda op, devices=devices: devices.get(op.device, op.device),
             input_map, replica_attr(k, m if micro > 1 else None), forward_copies[unit],
-            constants, stream=k * micro + m), input_map)
+            constants, stream=k * micro + m, pool=pool), input_map)
     try:
         created = batch.commit()
     except (ValueError, tf.errors.InvalidArgumentError) as err:  # shape inference refused it
@@ -202,7 +203,7 @@ def copy_templates(view, plan, amp_on: bool, checkpoints, units, micro, forward_
 
 
 def copy_backward(view, plan, source, unit, micro, source_grads, source_ops,
-                  source_forward, forward_map, slices, mirrors) -> list:
+                  source_forward, forward_map, slices, mirrors, pool=None) -> list:
     """Copy the backward ops of `source` (a unit whose slices have the same
     shapes) for `unit`, reading `unit`'s forward copies, slices and variables.
 
@@ -222,7 +223,7 @@ def copy_backward(view, plan, source, unit, micro, source_grads, source_ops,
     op_map = clone_ops(source_ops, unit_prefix(k, m, micro),
                        lambda op: devices.get(op.device, op.device), input_map,
                        replica_attr(k, m if micro > 1 else None), known=known,
-                       stream=k * micro + m)
+                       stream=k * micro + m, constants=pool)
 
     def mapped(tensor):
         if tensor is None:

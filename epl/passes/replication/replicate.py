@@ -57,8 +57,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.ir import graph_mutation
-from epl.ir.annotations import Phase
-from epl.ir.clone import NodeBatch, with_dynamic_rows
+from epl.ir.annotations import REPLICA_ATTR, Phase
+from epl.ir.clone import ConstantPool, NodeBatch, with_dynamic_rows
 from epl.ir.graph_view import TrainingView, colocation_root, topological_order
 from epl.passes.amp import AmpRewrite
 from epl.passes.gradient_flow import ReplicaGradients
@@ -150,11 +150,14 @@ class ReplicatePass(GraphPass):
         # v2 control flow in the backward: its functions belong to the autodiff that
         # built them, so every unit runs its own autodiff, on functions of its own
         each_own = functional_backward(view, view.steps)
+        # one copy of each constant per replica and device, read by all its micro-batches
+        pool = ConstantPool(REPLICA_ATTR)
         forward_copies = copies.copy_forwards(view, plan, all_units, micro, setup.forward,
-                                              setup.inputs, mirrors, own_functions=each_own)
+                                              setup.inputs, mirrors, own_functions=each_own,
+                                              pool=pool)
         copied, autodiff_reasons = copies.copy_templates(view, plan, amp_on, checkpoints,
                                                          all_units, micro, forward_copies, slices,
-                                                         mirrors)
+                                                         mirrors, pool=pool)
         gradients, backward_ops, unit_gradients = [], {}, {}
         check = None
         built_by_shape: dict = {}  # unit shapes -> (unit, its gradients, its backward ops)
@@ -170,7 +173,8 @@ class ReplicatePass(GraphPass):
                     source, source_grads, source_ops = built_by_shape[key]
                     per_micro.append(copies.copy_backward(
                         view, plan, source, unit, micro, source_grads, source_ops,
-                        forward_copies[source], forward_copies[unit], slices, mirrors))
+                        forward_copies[source], forward_copies[unit], slices, mirrors,
+                        pool=pool))
                 else:  # first unit of these shapes: autodiff of its loss copy
                     per_micro.append(copies.regenerate_gradients(
                         view, plan, unit, micro, forward_copies[unit], mirrors, checkpoints))
