@@ -194,6 +194,12 @@ def clone_op(op: tf.Operation, inputs: list[tf.Tensor], name: str, device: str,
     return new
 
 
+def plain_constant(op: tf.Operation) -> bool:
+    """A Const with no control inputs (none inside TF1 control flow): one copy of it
+    serves every unit of a replica on a device, and it needs no ordering."""
+    return op.type == "Const" and not op.control_inputs
+
+
 class ConstantPool:
     """One copy of each shareable constant per (template, device, replica attribute),
     for the copiers of one rewrite (see the module docstring).
@@ -206,10 +212,6 @@ class ConstantPool:
         self.replica_attr = replica_attr   # the attribute that tells the replicas apart
         self._entries: dict = {}
 
-    @staticmethod
-    def shareable(op: tf.Operation, inputs: tuple, controls: tuple) -> bool:
-        """A constant with no inputs and no control inputs (none inside TF1 control flow)."""
-        return op.type == "Const" and not inputs and not controls
 
     def key(self, op: tf.Operation, node: node_def_pb2.NodeDef) -> tuple:
         replica = node.attr.get(self.replica_attr)
@@ -287,13 +289,13 @@ class OpCopier:
 
     def copy(self, op: tf.Operation) -> None:
         """Write the copy of `op` (its inputs' producers must be written first)."""
-        template, inputs, controls = self._source(op)
+        template, inputs, _ = self._source(op)
         node = node_def_pb2.NodeDef()
         node.CopyFrom(template)
         node.device = self.device_fn(op)
         for key, value in (self.extra_attrs or {}).items():
             node.attr[key].CopyFrom(value)
-        if self.constants is not None and ConstantPool.shareable(op, inputs, controls):
+        if self.constants is not None and plain_constant(op):
             self._pool(op, node, self.constants.key(op, node))
             return
         node.name = self.new_name(op)
@@ -305,7 +307,7 @@ class OpCopier:
     def copy_constant(self, op: tf.Operation, node: node_def_pb2.NodeDef) -> None:
         """Write `node`, a Const with another value than `op` (its template), as `op`'s
         copy; shared through the ConstantPool with every copy of the same value."""
-        if self.constants is None or not ConstantPool.shareable(op, (), tuple(op.control_inputs)):
+        if self.constants is None or not plain_constant(op):
             node.name = self.new_name(op)
             self._add(op, node)
             return

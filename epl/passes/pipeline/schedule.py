@@ -49,6 +49,7 @@ from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, SCHEDULE_EDGE_ATTR,
                                 TASKGRAPH_ATTR, Phase)
+from epl.ir.clone import plain_constant
 from epl.ir.graph_view import TrainingView, ancestors
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.pipeline.accumulate import Accumulation
@@ -117,7 +118,7 @@ def _step_ops(replication, accumulation, replica: int, stages: dict, live: set) 
         backward = list(replication.backward_ops[(replica, m)]) + added.get((replica, m), [])
         for kind, ops in ((FORWARD, forward), (BACKWARD, backward)):
             for op in ops:
-                if op.type == "Const" and not op.inputs and not op.control_inputs:
+                if plain_constant(op):
                     continue
                 stage = _stage_index(op, stages)
                 if op in live and stage is not None:

@@ -41,7 +41,7 @@ default) autodiff passes the gradients of every op with several inputs through
 for the NoOp. They order, and compute nothing; TensorFlow's own graph optimizer
 (Grappler's dependency optimizer) removes them again before the first step.
 Copied once per unit they were a quarter of a pipeline's graph (a 12-layer
-encoder with 16 micro-batches: 18k of 73k ops) and of Grappler's time, so a copy
+encoder with 16 micro-batches: 17k of 73k ops) and of Grappler's time, so a copy
 reads the gradient itself (`gates`: a NoOp with no data input that waits for
 stateless ops only, whose copied control outputs are Identities of tensors it
 waits for, each with that NoOp as its only control input and waited for by
