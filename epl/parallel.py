@@ -54,6 +54,7 @@ from epl.passes.replication.replicate import ReplicatePass
 from epl.passes.replication.result import GradientCheck, Replication
 from epl.passes.skip_on_overflow import SkipOnOverflowPass
 from epl.passes.split.split import SplitInputs, SplitPass, SplitRecords
+from epl.passes.unit_functions import UnitFunctions, UnitFunctionsPass
 from epl.passes.unscale import UnscalePass
 from epl.passes.verify import InvariantInstrument, VerifyPass
 from epl.passes.zero import ZeroPass, ZeroSharding
@@ -72,7 +73,8 @@ TRAINING_PASSES = (
     ("accumulate", AccumulatePass),
     ("unscale", UnscalePass), ("schedule", SchedulePass), ("zero", ZeroPass),
     ("gradient_comm", GradientCommPass), ("apply_groups", ApplyGroupsPass),
-    ("skip_on_overflow", SkipOnOverflowPass), ("offload", OffloadPass), ("verify", VerifyPass))
+    ("skip_on_overflow", SkipOnOverflowPass), ("offload", OffloadPass), ("verify", VerifyPass),
+    ("unit_functions", UnitFunctionsPass))
 
 
 def _build(entries, config) -> list:
@@ -222,6 +224,9 @@ class ParallelGraph:
     # of a per-replica tensor with the first unit's copy; the tf.function integration
     # (epl/hooks/function.py) rebuilds a traced function from it
     replication: object = None
+    # the copies whose work a unit function's call does (epl/passes/unit_functions.py):
+    # a feed of one of them would not reach the step, so the session refuses it
+    outlined: frozenset = frozenset()
     # the graph's op count once rewritten: a fetch of a newer op was built afterwards
     ops_after_rewrite: int = 0
     # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
@@ -382,6 +387,8 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     result.feeds = dict(replication.feeds)
     result.tracer = make_tracer(config, cluster, graph)
     result.replication = replication
+    functions = ctx.find(UnitFunctions)
+    result.outlined = functions.outlined if functions is not None else frozenset()
     result.ops_after_rewrite = len(graph.get_operations())
     result.origins = copy_origins(replication)
     record.result = result

@@ -46,7 +46,7 @@ from epl.passes.recompute.checkpoints import gradient_difference, gradient_pairs
 from epl.runtime.collective_check import HOROVOD_COLLECTIVE_TYPES
 from epl.runtime.guarded_run import guarded_run
 from epl.checkpoint import damage
-from epl.errors import CheckpointError
+from epl.errors import CheckpointError, ParallelizeError
 from epl.runtime import run_errors
 from epl.runtime.horovod_comm import collective_label
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
@@ -466,6 +466,14 @@ def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
         if redirect is None or redirect.widened in fed:   # already redirected
             redirected[key] = value
             for copy in _copies_of(result, tensor):
+                if copy.op in result.outlined:
+                    raise ParallelizeError(
+                        f"the feed of {tensor.name} cannot reach the training step: EPL "
+                        "computes it inside a unit function (epl/passes/unit_functions.py: "
+                        "each micro-batch's and replica's work as one function call), which "
+                        "a feed does not enter. Feed a placeholder (tf.compat.v1.placeholder "
+                        "or placeholder_with_default) instead of a computed tensor, or set "
+                        "debug.disabled_passes: [\"unit_functions\"].")
                 redirected.setdefault(copy, value)
         else:
             redirected.update(redirect.feeds(value))

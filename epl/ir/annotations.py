@@ -27,6 +27,11 @@ RECOMPUTE_ATTR = "_epl_recompute"    # bool: a recomputed (gradient checkpointin
 RECOMPUTE_SHAPE_ATTR = "_epl_recompute_shape"  # bool: Shape op recompute added on a forward tensor
 SCHEDULE_EDGE_ATTR = "_epl_schedule_edge"  # string on pipeline barrier NoOps: "F1->B0"
 DUMP_ELIDED_ATTR = "_epl_dump_elided"  # int, in dumps only: bytes of a constant left out
+# The tags that say where an op belongs (what a unit function's call carries for its ops)
+UNIT_TAGS = (TASKGRAPH_ATTR, PHASE_ATTR, REPLICA_ATTR, MICRO_BATCH_ATTR)
+EPL_ATTRS = frozenset((TASKGRAPH_ATTR, PHASE_ATTR, REPLICA_ATTR, MICRO_BATCH_ATTR, SHARD_ATTR,
+                       SPLIT_REPLACED_ATTR, COLLECTIVE_ATTR, REDUCED_ATTR, RECOMPUTE_ATTR,
+                       RECOMPUTE_SHAPE_ATTR, SCHEDULE_EDGE_ATTR, DUMP_ELIDED_ATTR))
 
 
 class Phase(str, enum.Enum):

@@ -135,6 +135,14 @@ class VerifyOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnitFunctionsOptions:
+    """Each unit's work on a device as a call of a shared function (always on;
+    debug.disabled_passes turns it off)."""
+
+    enabled: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitOptions:
     """split.moe_chunks: chunks of the expert dispatch's capacity axis."""
 
@@ -188,4 +196,5 @@ def pass_options(config: Any) -> dict[str, Any]:
         "skip_on_overflow": SkipOnOverflowOptions(loss_scale == "dynamic"),
         "offload": OffloadOptions(config.get("offload.level") == "v0"),
         "verify": VerifyOptions(),
+        "unit_functions": UnitFunctionsOptions(),
     }

@@ -63,6 +63,7 @@ CASES = {
                           "amp.loss_scale": "dynamic", **COLLECTIVE}, {}),
     "offload": ({"cluster.virtual_devices": 2, "offload.level": "v0"}, {}),
     "verify": ({"cluster.virtual_devices": 2}, {}),
+    "unit_functions": ({"cluster.virtual_devices": 2}, {}),
 }
 
 # pass -> (op types it adds, with their counts; how many existing ops it changes:
@@ -106,6 +107,9 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
     # under control_dependencies(UPDATE_OPS), no longer wait for the writes (71)
     "consistency": ({"AddN": 2, "Const": 4, "Mul": 4}, 75),
     "verify": ({}, 0),     # checks only
+    # per replica, its forward and its backward as one call each; the update ops and
+    # the loss's merge read the calls (changed)
+    "unit_functions": ({"PartitionedCall": 4}, 9),
 }
 
 

@@ -205,6 +205,8 @@ CASES = {
     "offload": Case({**DEVICES2, **COLLECTIVE, "offload.level": "v0"},
                     lambda: classifier(bias=False)),
     "verify": Case(DEVICES2, classifier),
+    # two stages, two micro-batches: each unit's stage forward and backward as a call
+    "unit_functions": Case({**DEVICES2, "pipeline.num_micro_batch": 2}, two_stages),
 }
 
 
@@ -466,6 +468,8 @@ UNCHANGED = {
     "skip_on_overflow": (Case({**DEVICES2, **AMP}, classifier), True),
     # one device: the variables are on the host already
     "offload": (Case({**ONE_DEVICE, "offload.level": "v0"}, classifier), False),
+    # one device, one micro-batch: one unit, nothing to share
+    "unit_functions": (Case(ONE_DEVICE, classifier), False),
 }
 
 

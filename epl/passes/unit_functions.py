@@ -1,0 +1,623 @@
+"""Unit functions: each unit's work on a device as one call of a shared function.
+
+The replicate pass copies the model once per (replica, micro-batch) unit, and
+every later pass reads and rewires those copies. What TensorFlow's first step
+then does (Grappler's optimizers, placement, executor creation) grows with
+every copy: at 16 micro-batches, 2 stages and 12 layers it spent about 25 s on
+55,696 ops to train a model plain TensorFlow starts in 2 s (issue 29). This
+pass, the last of the training pipeline, hands TensorFlow one definition per
+distinct piece of work instead:
+
+- a **group** is the ops of one unit, one phase (its forward copies, or its
+  backward ops) and one TaskGraph (a pipeline stage; a split TaskGraph's ops
+  are cut by device too): one stage's forward or backward of one micro-batch
+  on one replica (`Replication.forward_copies` and `backward_ops`, the
+  replicate pass's explicit record, and the ops' TaskGraph tags);
+- a group's ops that a function can compute as they are computed outside are
+  moved into a library function (a `FunctionDef`, built directly as a proto),
+  and a `PartitionedCall` of it on the group's device (the one most of its ops
+  are on) takes their place: every reader outside the group reads the call's
+  outputs, every control edge on a group op (the pipeline schedule's among
+  them) is an edge on the call. Groups of equal structure (the micro-batches of
+  a stage, the replicas of a data-parallel model) call one function, so
+  TensorFlow optimizes and instantiates it once per device;
+- the function is marked `_noinline`, or Grappler's function optimizer would
+  inline every call again at the first step.
+
+What stays outside the function, as the copies are today (so they compute
+exactly what they compute without this pass):
+- stateful ops (variable reads, random ops, assignments, collectives, the
+  input pipeline): a function call runs its body once per call, but a stateful
+  op's effect and order belong to the graph; they and the ops of the group they
+  depend on stay per-unit ops (a group's ops that a stateful op of the same
+  group reads stay outside, so the call never feeds an op that feeds it);
+- ops with a resource, variant or reference-typed input or output, ops that
+  run functions of their own (v2 control flow), placeholders and ops computed
+  from constants alone (the session may feed them: a scale, a keep
+  probability), and constants (copied into each body that reads them);
+- ops that would close a cycle: a call waits for all of its inputs, so two
+  groups that read each other's values cannot both be calls. TensorFlow's
+  autodiff puts the sums of a residual stream's gradients with the first
+  summand, the last stage's, so the last stage's backward holds sums that an
+  earlier stage's backward computes and reads; such ops move to the group on
+  both sides of them (`_move_between`), and what still closes a cycle stays
+  outside with what it reads (`_break_cycles`; the pass's notes count them).
+
+The copies themselves stay in the graph unread (TensorFlow's graph API removes
+no op): a session runs only what its fetches need, so they cost nothing at run
+time, and a fetch of one of them (the session answers a fetch of a per-replica
+tensor with the first unit's copy) computes it from the same inputs. A feed
+of a tensor a function now computes would have no effect on the step: the
+session refuses it (`UnitFunctions.outlined`, epl/hooks/session.py).
+
+Off with `debug.disabled_passes: ["unit_functions"]` (the copies are then what
+runs, as before this pass).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, function_pb2
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.client import pywrap_tf_session as c_api
+from tensorflow.python.framework import c_api_util
+
+from epl.ir import graph_mutation
+from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
+from epl.ir.clone import COLOCATION_ATTR, plain_constant
+from epl.ir.graph_view import TrainingView
+from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.replication.result import Replication
+
+NOINLINE_ATTR = "_noinline"
+_UNSAFE_DTYPES = (tf.resource, tf.variant)
+_KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"))
+
+
+@dataclasses.dataclass
+class UnitFunctions:
+    """What the pass built: calls: one call op per group it outlined; functions: the
+    library functions they call (distinct bodies); outlined: every op whose work a
+    call now does (its copy stays in the graph, unread); kept: groups left as
+    copies, with why."""
+
+    calls: list
+    functions: list
+    outlined: frozenset
+    kept: list
+
+
+class UnitFunctionsPass(GraphPass):
+    """Each unit's forward and backward on each device as a call of a shared function."""
+
+    name = "unit_functions"
+    requires = (TrainingView, Replication)
+    provides = (UnitFunctions,)
+    after = ("verify",)   # the invariants are checked on the copies, op by op
+
+    def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
+        replication = ctx.get(Replication)
+        split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
+        groups = unit_groups(replication, split)
+        if len(replication.units()) < 2:
+            ctx.provide(UnitFunctions([], [], frozenset(), []))
+            return PassResult(notes=["one unit: nothing to share"], modified=False)
+        built = outline(graph, groups)
+        ctx.provide(built)
+        distinct = len(built.functions)
+        notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
+                 f"{len(built.outlined)} copied ops moved into them"]
+        notes += built.kept
+        return PassResult(added=[op.name for op in built.calls], notes=notes,
+                          modified=bool(built.calls))
+
+
+def unit_groups(replication: Replication, split_taskgraphs: set) -> list:
+    """[(unit, phase, device, ops)]: each unit's forward copies and its backward ops,
+    cut by TaskGraph (a pipeline stage), in the replicate pass's order (the
+    template's for every unit, so equal groups list their ops alike).
+
+    The device of a group is the one most of its ops are on; its call runs the others
+    there too. Why by TaskGraph and not by device: TensorFlow's autodiff puts some
+    gradient sums (the AddN of an op's gradients that have several readers) on the
+    device of the stage that called it, so a stage's backward goes to the last
+    stage's device and back; as two calls, the stages' backwards would read each
+    other (a cycle). A split TaskGraph's ops are cut by device too: each device
+    computes its own shard."""
+    groups = []
+    for unit in replication.units():
+        for phase, ops in (("forward", list(replication.forward_copies[unit].values())),
+                           ("backward", list(replication.backward_ops.get(unit, [])))):
+            by_key: dict = {}
+            for op in ops:
+                if not op.device:
+                    continue
+                taskgraph = _taskgraph(op)
+                key = (taskgraph, op.device if taskgraph in split_taskgraphs else None)
+                by_key.setdefault(key, []).append(op)
+            for members in by_key.values():
+                devices = collections.Counter(op.device for op in members)
+                groups.append((unit, phase, devices.most_common(1)[0][0], members))
+    return groups
+
+
+def _taskgraph(op: tf.Operation) -> str | None:
+    """The TaskGraph `op` is tagged with (None: untagged)."""
+    try:
+        return op.get_attr(TASKGRAPH_ATTR).decode()
+    except ValueError:
+        return None
+
+
+def function_safe(op: tf.Operation) -> bool:
+    """Whether a function computes `op` exactly as the graph does: a stateless op
+    with no function of its own and no resource, variant or reference value."""
+    if plain_constant(op) or op.type in _KEPT_OUT_TYPES or op.op_def.is_stateful:
+        return False
+    if any(attr.type in ("func", "list(func)") for attr in op.op_def.attr):
+        return False
+    for tensor in list(op.inputs) + list(op.outputs):
+        if tensor.dtype in _UNSAFE_DTYPES or tensor.dtype._is_ref_dtype:
+            return False
+    return True
+
+
+def _members(ops: list, deps: dict) -> list:
+    """The ops of one group a function can hold: the function-safe ones, less those
+    computed from constants alone (a scale or a keep probability the script may feed:
+    a feed reaches what stays outside) and those a kept op of the group reads
+    (directly or through other members), so the call never feeds an op that feeds
+    it."""
+    # computed from constants and waiting for nothing of the group (the schedule's
+    # edges from other units may order it)
+    own, constant = set(ops), set()
+    for op in _topological(ops):
+        if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
+                not any(c in own for c in op.control_inputs):
+            constant.add(op)
+    safe = [op for op in ops if op not in constant and function_safe(op)]
+    inside = set(safe)
+    read = [dep for op in ops if op not in inside for dep in deps[op] if dep in inside]
+    out = _with_ancestors(read, inside, deps)
+    return [op for op in safe if op not in out]
+
+
+def _with_ancestors(ops: list, inside: set, deps: dict) -> set:
+    """`ops` and every op of `inside` they read or wait for, directly or through
+    others of `inside`."""
+    found: set = set()
+    stack = list(ops)
+    while stack:
+        op = stack.pop()
+        if op not in found:
+            found.add(op)
+            stack.extend(dep for dep in deps[op] if dep in inside and dep not in found)
+    return found
+
+
+def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
+    """Replace every group that can be one call by a call of its function."""
+    deps = _dependencies(graph)
+    members = {}
+    for index, (_, _, _, ops) in enumerate(groups):
+        chosen = _members(ops, deps)
+        if len(chosen) > 1:
+            members[index] = chosen
+    kept = []
+    count = len(members)
+    members = _move_between(deps, members)
+    members, given_up = _break_cycles(deps, members)
+    if given_up:
+        kept.append(f"{given_up} op(s) of {count} groups kept as copies, "
+                    f"{count - len(members)} whole group(s): in a call they would close a "
+                    "cycle (a group that reads, through ops outside it, a value it computes)")
+    group_of = {op: index for index, ops in members.items() for op in ops}
+    order = _call_order(deps, group_of)
+    bodies = {index: _Body(members[index], group_of, index) for index in order}
+    # what each group gives the graph: its tensors read by any op outside it
+    for op in graph.get_operations():
+        own = group_of.get(op)
+        for tensor in op.inputs:
+            source = group_of.get(tensor.op)
+            if source is not None and source != own:
+                bodies[source].give(tensor)
+    registered: dict = {}
+    calls, replacement, call_of = [], {}, {}
+    for index in order:
+        body = bodies[index]
+        definition = body.definition()
+        key = definition.SerializeToString(deterministic=True)
+        name = registered.get(key)
+        if name is None:
+            name = registered[key] = f"epl_unit_{hashlib.sha1(key).hexdigest()[:16]}"
+            definition.signature.name = name
+            _register(graph, definition)
+        unit, phase, device, _ = groups[index]
+        call = _call(graph, name, body, replacement, call_of, device, unit, phase)
+        calls.append(call)
+        call_of[index] = call
+        for position, tensor in enumerate(body.outputs):
+            replacement[tensor] = call.outputs[position]
+    _rewire(graph, group_of, replacement, call_of)
+    return UnitFunctions(calls, sorted(set(registered.values())), frozenset(group_of), kept)
+
+
+class _Body:
+    """One group's FunctionDef: its members as nodes `n<i>`, the constants they read
+    copied in as `c<i>`, every other tensor they read an argument `a<i>`."""
+
+    def __init__(self, ops: list, group_of: dict, index: int):
+        self.ops = _topological(ops)
+        self.position = {op: i for i, op in enumerate(self.ops)}
+        self.index, self.group_of = index, group_of
+        self.inputs: list = []           # external tensors, in order of first read
+        self._argument: dict = {}
+        self._constants: dict = {}       # constant tensor -> its node name
+        self.controls: list = []         # external ops some member waits for
+        self.outputs: list = []          # member tensors read outside the group
+        self._given: set = set()
+
+    def give(self, tensor: tf.Tensor) -> None:
+        if tensor not in self._given:
+            self._given.add(tensor)
+            self.outputs.append(tensor)
+
+    def definition(self) -> function_pb2.FunctionDef:
+        """The FunctionDef (unnamed): equal groups give equal protos."""
+        self.outputs.sort(key=lambda t: (self.position[t.op], t.value_index))
+        fdef = function_pb2.FunctionDef()
+        nodes = []
+        controls = set()
+        for i, op in enumerate(self.ops):
+            node = fdef.node_def.add()
+            node.name, node.op = f"n{i}", op.type
+            for key, value in op.node_def.attr.items():
+                if key != COLOCATION_ATTR and key not in EPL_ATTRS:
+                    node.attr[key].CopyFrom(value)
+            for tensor in op.inputs:
+                node.input.append(self._ref(tensor, fdef))
+            for control in op.control_inputs:
+                if control in self.position:
+                    node.input.append(f"^n{self.position[control]}")
+                elif control not in controls:
+                    controls.add(control)
+                    self.controls.append(control)
+            nodes.append(node)
+        for i, tensor in enumerate(self.inputs):
+            arg = fdef.signature.input_arg.add()
+            arg.name, arg.type = f"a{i}", tensor.dtype.as_datatype_enum
+        for i, tensor in enumerate(self.outputs):
+            out = fdef.signature.output_arg.add()
+            out.name, out.type = f"o{i}", tensor.dtype.as_datatype_enum
+            fdef.ret[out.name] = self._ref(tensor, fdef)
+        fdef.attr[NOINLINE_ATTR].b = True
+        return fdef
+
+    def _ref(self, tensor: tf.Tensor, fdef) -> str:
+        """The FunctionDef input naming `tensor`."""
+        op = tensor.op
+        if op in self.position:
+            return _output_name(op, f"n{self.position[op]}", tensor.value_index)
+        if plain_constant(op):
+            name = self._constants.get(tensor)
+            if name is None:
+                name = self._constants[tensor] = f"c{len(self._constants)}"
+                node = fdef.node_def.add()
+                node.name, node.op = name, "Const"
+                node.attr["value"].CopyFrom(op.node_def.attr["value"])
+                node.attr["dtype"].CopyFrom(op.node_def.attr["dtype"])
+            return f"{name}:output:0"
+        name = self._argument.get(tensor)
+        if name is None:
+            name = self._argument[tensor] = f"a{len(self.inputs)}"
+            self.inputs.append(tensor)
+        return name
+
+
+def _output_name(op: tf.Operation, node: str, index: int) -> str:
+    """FunctionDef name of output `index` of `op` written as node `node`:
+    "node:<output arg>:<index within the arg>"."""
+    offset = index
+    for arg in op.op_def.output_arg:
+        if arg.number_attr:
+            size = op.get_attr(arg.number_attr)
+        elif arg.type_list_attr:
+            size = len(op.get_attr(arg.type_list_attr))
+        else:
+            size = 1
+        if offset < size:
+            return f"{node}:{arg.name}:{offset}"
+        offset -= size
+    raise ValueError(f"{op.name} has no output {index}")
+
+
+def _topological(ops: list) -> list:
+    """`ops` with every member after the members it reads or waits for (list order
+    otherwise)."""
+    inside = set(ops)
+    done, ordered = set(), []
+    for root in ops:
+        if root in done:
+            continue
+        stack = [(root, False)]
+        while stack:
+            op, expanded = stack.pop()
+            if op in done:
+                continue
+            if expanded:
+                done.add(op)
+                ordered.append(op)
+                continue
+            stack.append((op, True))
+            for dep in reversed([t.op for t in op.inputs] + list(op.control_inputs)):
+                if dep in inside and dep not in done:
+                    stack.append((dep, False))
+    return ordered
+
+
+class LibraryFunction:
+    """A library function given as a FunctionDef, as `tf.Graph._add_function` takes
+    one (its `name` and C function; `cached_definition` as TensorFlow's own function
+    objects have it). Registering through a FuncGraph instead would rebuild the proto
+    and drop its `_noinline` attribute. It has no `graph`: `Graph.as_graph_def`
+    (add_shapes) then leaves its argument shapes alone."""
+
+    def __init__(self, definition: function_pb2.FunctionDef):
+        self.name = definition.signature.name
+        self.cached_definition = definition
+        self._c_func = c_api_util.ScopedTFFunction(
+            c_api.TF_FunctionImportFunctionDef(definition.SerializeToString()), self.name)
+
+
+def _register(graph: tf.Graph, definition: function_pb2.FunctionDef) -> None:
+    """Add `definition` to the graph's library as it is."""
+    graph._add_function(LibraryFunction(definition))
+
+
+def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: str, unit,
+          phase: str) -> tf.Operation:
+    """The PartitionedCall of function `name` for one group, on its device, tagged as its
+    members are."""
+    inputs = [replacement.get(t, t) for t in body.inputs]
+    first = body.ops[0]
+    k, m = unit
+    with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
+            tf.device(None), graph.colocate_with(None, ignore_existing=True):
+        call = graph.create_op(
+            "PartitionedCall", inputs, [t.dtype for t in body.outputs],
+            attrs={"f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name)),
+                   "Tin": _types(body.inputs), "Tout": _types(body.outputs),
+                   "config_proto": _BODY_CONFIG},
+            name=f"EPL_UNIT_{k}_{m}_{phase}")
+    graph_mutation.set_device(call, device)
+    for key in UNIT_TAGS:
+        if key in first.node_def.attr:
+            graph_mutation.set_attr(call, key, first.node_def.attr[key])
+    for out, tensor in zip(call.outputs, body.outputs):
+        out.set_shape(tensor.shape)
+    controls = [call_of.get(body.group_of.get(c), c) for c in body.controls]
+    if controls:
+        graph_mutation.add_control_inputs(call, controls)
+    return call
+
+
+def _body_config() -> attr_value_pb2.AttrValue:
+    """The session config a call optimizes its body with (its `config_proto`): one
+    round of Grappler, as the session's (epl.parallel.ParallelGraph.session_config),
+    without constant folding and the arithmetic optimizer. Why: these two rewrite
+    arithmetic (fold constants into it, merge chains of additions into one sum in
+    another order), and what they find inside a body (the body's own constants, a
+    residual stream's gradient sums now on one device) differs from what they find
+    among the copies; the 4-stage encoder of tests/passes/test_pipeline.py then
+    differed from the copies by one float32 ulp in its gradients, which Adam made
+    2-5e-6 in its variables after 3 steps. Without them the calls compute bit for
+    bit what the copies compute (tests/passes/test_unit_functions.py)."""
+    config = config_pb2.ConfigProto()
+    rewrite = config.graph_options.rewrite_options
+    rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    rewrite.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+    rewrite.arithmetic_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    return attr_value_pb2.AttrValue(s=config.SerializeToString())
+
+
+_BODY_CONFIG = _body_config()
+
+
+def _types(tensors: list) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+        type=[t.dtype.as_datatype_enum for t in tensors]))
+
+
+def _rewire(graph, group_of: dict, replacement: dict, call_of: dict) -> None:
+    """Every op outside the groups (the calls excepted) reads the calls' outputs and
+    waits for the calls instead of their members."""
+    calls = set(call_of.values())
+    for op in graph.get_operations():
+        if op in group_of or op in calls:
+            continue
+        for index, tensor in enumerate(op.inputs):
+            new = replacement.get(tensor)
+            if new is not None:
+                graph_mutation.update_input(op, index, new)
+        controls = op.control_inputs
+        if any(c in group_of for c in controls):
+            mapped = []
+            for control in controls:
+                control = call_of.get(group_of.get(control), control)
+                if control not in mapped:
+                    mapped.append(control)
+            graph_mutation.remove_all_control_inputs(op)
+            graph_mutation.add_control_inputs(op, mapped)
+
+
+def _dependencies(graph) -> dict:
+    """{op: the ops it reads or waits for}, once per pass."""
+    return {op: [t.op for t in op.inputs] + list(op.control_inputs)
+            for op in graph.get_operations()}
+
+
+def _contracted_edges(deps: dict, group_of: dict):
+    """{node: [nodes it reads or waits for]} of the graph with each group one node
+    (its index; any other op is itself)."""
+    edges: dict = {}
+    for op, inputs in deps.items():
+        node = group_of.get(op, op)
+        out = edges.setdefault(node, set())
+        for dep in inputs:
+            dep = group_of.get(dep, dep)
+            if dep is not node:
+                out.add(dep)
+    return edges
+
+
+def _users(deps: dict) -> dict:
+    """{op: the ops that read it or wait for it}."""
+    users: dict = {}
+    for op, inputs in deps.items():
+        for dep in inputs:
+            users.setdefault(dep, []).append(op)
+    return users
+
+
+def _move_between(deps: dict, members: dict) -> dict:
+    """`members` with the ops of a group that lie on a path from another group back to
+    that group moved into it, for every two groups on one cycle (repeated while any
+    move; what is left of a cycle, `_break_cycles` breaks).
+
+    Why: TensorFlow's autodiff puts the sum of an op's gradients (an AddN) with the
+    first of its summands, so the residual stream's gradient sums of every layer
+    follow the first, the head's, onto the last stage: the last stage's backward
+    holds sums that an earlier stage's backward computes the summands of and reads.
+    As two calls, the stages' backwards would wait for each other; moved, those sums
+    run in the earlier stage's call, on its device, beside their inputs and
+    readers."""
+    members = {index: list(ops) for index, ops in members.items()}
+    users = _users(deps)
+    for _ in range(8):
+        group_of = {op: index for index, ops in members.items() for op in ops}
+        moved = False
+        for component in _components(_contracted_edges(deps, group_of)):
+            indices = [node for node in component if isinstance(node, int)]
+            for source in indices:
+                for target in indices:
+                    if source == target:
+                        continue
+                    inside = set(members[source])
+                    entering = [op for op in members[source]
+                                if any(group_of.get(d) == target for d in deps[op])]
+                    leaving = [op for op in members[source]
+                               if any(group_of.get(u) == target for u in users.get(op, ()))]
+                    between = _with_descendants(entering, inside, users) & \
+                        _with_ancestors(leaving, inside, deps)
+                    if between:
+                        members[source] = [op for op in members[source] if op not in between]
+                        members[target] += sorted(between, key=lambda op: op._id)
+                        for op in between:
+                            group_of[op] = target
+                        moved = True
+        if not moved:
+            break
+    return {index: ops for index, ops in members.items() if len(ops) > 1}
+
+
+def _with_descendants(ops: list, inside: set, users: dict) -> set:
+    """`ops` and every op of `inside` that reads or waits for them, directly or
+    through others of `inside`."""
+    found: set = set()
+    stack = list(ops)
+    while stack:
+        op = stack.pop()
+        if op not in found:
+            found.add(op)
+            stack.extend(u for u in users.get(op, ()) if u in inside and u not in found)
+    return found
+
+
+def _break_cycles(deps: dict, members: dict) -> tuple[dict, int]:
+    """`members` with no group on a cycle of the graph with every group contracted
+    (a call waits for all of its inputs, so a group that reads, through ops outside
+    it, a value it computes itself cannot be one call).
+
+    A group on a cycle gives up the members that feed the cycle's other nodes,
+    with the members those read (they become ops of their own, which compute what
+    they computed): what is left reads nothing that reads it. Repeated until no
+    cycle is left; a group left with one member or none is kept as copies.
+    Returns (the groups, how many members were given up)."""
+    members = {index: list(ops) for index, ops in members.items()}
+    users = _users(deps)
+    given_up = 0
+    while True:
+        group_of = {op: index for index, ops in members.items() for op in ops}
+        edges = _contracted_edges(deps, group_of)
+        cyclic = [component for component in _components(edges) if len(component) > 1]
+        if not cyclic:
+            return members, given_up
+        for component in cyclic:
+            nodes = set(component)
+            for index in [n for n in component if isinstance(n, int)]:
+                inside = set(members[index])
+                feeding = [op for op in members[index]
+                           if any(group_of.get(r, r) in nodes and group_of.get(r, r) != index
+                                  for r in users.get(op, ()))]
+                out = _with_ancestors(feeding, inside, deps)
+                given_up += len(out)
+                members[index] = [op for op in members[index] if op not in out]
+                if len(members[index]) < 2:
+                    given_up += len(members[index])
+                    del members[index]
+
+
+def _components(edges: dict) -> list:
+    """Strongly connected components (Tarjan's, iterative)."""
+    index_of, low, on_stack, stack, components = {}, {}, set(), [], []
+    counter = 0
+    for root in edges:
+        if root in index_of:
+            continue
+        work = [(root, iter(edges.get(root, ())))]
+        index_of[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, deps = work[-1]
+            advanced = False
+            for dep in deps:
+                if dep not in index_of:
+                    index_of[dep] = low[dep] = counter
+                    counter += 1
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(edges.get(dep, ()))))
+                    advanced = True
+                    break
+                if dep in on_stack:
+                    low[node] = min(low[node], index_of[dep])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index_of[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member is node:
+                        break
+                components.append(component)
+    return components
+
+
+def _call_order(deps: dict, group_of: dict) -> list:
+    """The groups in an order where every group comes after the groups it reads or waits
+    for (the contracted graph is acyclic here): Tarjan's components come out in
+    reverse topological order of the reversed edges, i.e. dependencies first."""
+    edges = _contracted_edges(deps, group_of)
+    return [node for component in _components(edges) for node in component
+            if isinstance(node, int)]
+

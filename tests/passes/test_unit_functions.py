@@ -1,0 +1,124 @@
+"""The unit_functions pass: each unit's stage work as one call of a shared function.
+
+- The oracle: training with the pass gives, bit for bit, the variables and losses
+  of training without it (`debug.disabled_passes: ["unit_functions"]`: the
+  copies run), for the pipelined encoder of test_pipeline.py (stages, micro-
+  batches, both schedules, Adam) and for a data-parallel TF1 model with dropout
+  (a stateful random op, which stays outside the functions).
+- The structure: the training step runs one call per (unit, stage, phase), the
+  micro-batches of a stage share their functions, and no copy the calls replaced
+  is left in what the step runs.
+- Feeds: a tensor computed from constants alone stays outside the functions, so
+  a feed of it reaches every unit (test_feeds_and_fetches.py); a feed of a
+  tensor a function computes is refused, naming the tensor.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from epl import env
+from epl.errors import ParallelizeError
+from epl.hooks.session import parallel_graph
+from epl.ir.graph_view import ancestors
+from epl.passes import unit_functions
+from test_pipeline import train_encoder
+
+OFF = {"debug.disabled_passes": ["unit_functions"]}
+
+
+def _assert_identical(result, reference):
+    assert sorted(result.variables) == sorted(reference.variables)
+    for name, value in reference.variables.items():
+        np.testing.assert_array_equal(result.variables[name], value, err_msg=name)
+    assert result.losses == reference.losses
+
+
+@pytest.mark.parametrize("stages,micro,strategy", [(2, 4, "PreferBackward"),
+                                                   (4, 2, "PreferForward")])
+def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
+    config = {"cluster.virtual_devices": stages, "pipeline.num_micro_batch": micro,
+              "pipeline.strategy": strategy, "debug.check_invariants": True}
+    epl_env({**config, **OFF})
+    copies = train_encoder(layers=stages, stages=stages, optimizer="adam")
+    epl_env(config)
+    calls = train_encoder(layers=stages, stages=stages, optimizer="adam")
+    _assert_identical(calls, copies)
+
+    result = parallel_graph(calls.graph)
+    graph = calls.graph
+    built = [op for op in graph.get_operations() if op.type == "PartitionedCall"]
+    # one call per (micro-batch, stage, phase)
+    assert len(built) == micro * stages * 2
+    functions = {op.get_attr("f").name for op in built}
+    assert len(functions) < len(built)   # the micro-batches share them
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    assert all(library[name].attr[unit_functions.NOINLINE_ATTR].b for name in functions)
+    # the step runs the calls, none of the copies they replaced
+    assert not any(op.type == "PartitionedCall" for op in copies.graph.get_operations())
+    step = ancestors(list(result.view.train_ops))
+    assert set(built) <= step
+    assert result.outlined and not step & result.outlined
+
+
+def _dropout_run(config: dict | None, steps: int = 3):
+    """(losses, variables) of a TF1 dense model with dropout on 2 replicas."""
+    env.reset()
+    epl.init(epl.Config(dict(config or {})))
+    rng = np.random.RandomState(0)
+    data = rng.randn(8, 6).astype(np.float32)
+    labels = rng.randint(0, 3, size=[8]).astype(np.int32)
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(7)
+        x = tf.compat.v1.placeholder(tf.float32, [4, 6], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [4], name="y")
+        init = tf.compat.v1.constant_initializer
+        h = tf.compat.v1.layers.dense(x, 16, activation=tf.nn.relu,
+                                      kernel_initializer=init(rng.randn(6, 16) / 3))
+        h = tf.compat.v1.layers.dropout(h, rate=0.3, training=True)
+        logits = tf.compat.v1.layers.dense(h, 3, kernel_initializer=init(rng.randn(16, 3) / 4))
+        loss = tf.reduce_mean(tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits))
+        train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [float(sess.run([loss, train_op], {x: data, y: labels})[0])
+                      for _ in range(steps)]
+            values = sess.run(tf.compat.v1.trainable_variables())
+        calls = [op for op in graph.get_operations() if op.type == "PartitionedCall"]
+        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+        bodies = [library[op.get_attr("f").name] for op in calls]
+    env.reset()
+    return losses, values, bodies
+
+
+def test_dropout_stays_outside_and_replicas_train_exactly_as_the_copies():
+    layout = {"cluster.virtual_devices": 2, "debug.check_invariants": True}
+    with_calls = _dropout_run(layout)
+    with_copies = _dropout_run({**layout, **OFF})
+    assert with_calls[0] == with_copies[0]
+    for a, b in zip(with_calls[1], with_copies[1]):
+        np.testing.assert_array_equal(a, b)
+    assert len(with_calls[2]) == 4 and not with_copies[2]   # 2 replicas x (forward, backward)
+    for body in with_calls[2]:   # no stateful op in a body: the random op stays a copy
+        assert "RandomUniform" not in {node.op for node in body.node_def}
+    assert any("Mul" in {node.op for node in body.node_def} for body in with_calls[2])
+
+
+def test_a_feed_of_a_tensor_inside_a_function_is_refused():
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1], np.float32))
+        hidden = tf.identity(tf.matmul(x, w), name="hidden")
+        loss = tf.reduce_mean(tf.square(hidden))
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.ones([4, 3], np.float32), hidden: np.zeros([2, 1], np.float32)}
+            with pytest.raises(ParallelizeError, match="the feed of hidden:0 cannot reach"):
+                sess.run(train_op, feed)
+            sess.run(train_op, {x: np.ones([4, 3], np.float32)})   # a plain step still runs
+    env.reset()
