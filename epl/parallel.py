@@ -227,6 +227,8 @@ class ParallelGraph:
     # the copies whose work a unit function's call does (epl/passes/unit_functions.py):
     # a feed of one of them would not reach the step, so the session refuses it
     outlined: frozenset = frozenset()
+    # and each copied tensor a call returns -> the call's output (what a fetch reads)
+    unit_outputs: dict = dataclasses.field(default_factory=dict)
     # the graph's op count once rewritten: a fetch of a newer op was built afterwards
     ops_after_rewrite: int = 0
     # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
@@ -388,7 +390,8 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     result.tracer = make_tracer(config, cluster, graph)
     result.replication = replication
     functions = ctx.find(UnitFunctions)
-    result.outlined = functions.outlined if functions is not None else frozenset()
+    if functions is not None:
+        result.outlined, result.unit_outputs = functions.outlined, dict(functions.outputs)
     result.ops_after_rewrite = len(graph.get_operations())
     result.origins = copy_origins(replication)
     record.result = result

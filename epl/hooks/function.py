@@ -253,7 +253,11 @@ def rewrite(func_graph, state) -> None:
     if mode == GLOBAL_MODE:
         _unfold_batch_shapes(graph, record)
         _unbake_reshape_batch(graph, record)
-    record.rewrite_config = config.updated({"io.batch_mode": mode})
+    # pipeline.unit_functions stays off here: the rewritten graph is raised back into
+    # the FuncGraph from the copies (outputs read unit 0's copies), which the pass
+    # leaves unread; a traced step keeps its copies (epl/passes/unit_functions.py)
+    record.rewrite_config = config.updated({"io.batch_mode": mode,
+                                            "pipeline.unit_functions": False})
     record.rewrite_config.freeze()
     try:
         result = parallelize(graph, record)

@@ -295,7 +295,8 @@ def _per_replica_fetch(result: ParallelGraph, tensor: tf.Tensor) -> tf.Tensor | 
             "epl.GraphKeys.GLOBAL_MEAN_OBJECTS (a mean over examples), GLOBAL_SUM_OBJECTS (a "
             "sum or count) or GLOBAL_CONCAT_OBJECTS (one row per example) with "
             "epl.add_to_collection before the first session.", tensor.name, what)
-    return copy
+    # a copy a unit function returns: its call's output (the copy itself is left unread)
+    return result.unit_outputs.get(copy, copy)
 
 
 def _map_fetches(fn, fetches):
@@ -472,8 +473,8 @@ def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
                         "computes it inside a unit function (epl/passes/unit_functions.py: "
                         "each micro-batch's and replica's work as one function call), which "
                         "a feed does not enter. Feed a placeholder (tf.compat.v1.placeholder "
-                        "or placeholder_with_default) instead of a computed tensor, or set "
-                        "debug.disabled_passes: [\"unit_functions\"].")
+                        "or placeholder_with_default) instead of a computed tensor, or leave "
+                        "pipeline.unit_functions off.")
                 redirected.setdefault(copy, value)
         else:
             redirected.update(redirect.feeds(value))

@@ -136,10 +136,9 @@ class VerifyOptions:
 
 @dataclasses.dataclass(frozen=True)
 class UnitFunctionsOptions:
-    """Each unit's work on a device as a call of a shared function (always on;
-    debug.disabled_passes turns it off)."""
+    """pipeline.unit_functions: each unit's stage work as a call of a shared function."""
 
-    enabled: bool = True
+    enabled: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,5 +195,5 @@ def pass_options(config: Any) -> dict[str, Any]:
         "skip_on_overflow": SkipOnOverflowOptions(loss_scale == "dynamic"),
         "offload": OffloadOptions(config.get("offload.level") == "v0"),
         "verify": VerifyOptions(),
-        "unit_functions": UnitFunctionsOptions(),
+        "unit_functions": UnitFunctionsOptions(bool(config.get("pipeline.unit_functions"))),
     }

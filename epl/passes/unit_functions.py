@@ -50,8 +50,15 @@ tensor with the first unit's copy) computes it from the same inputs. A feed
 of a tensor a function now computes would have no effect on the step: the
 session refuses it (`UnitFunctions.outlined`, epl/hooks/session.py).
 
-Off with `debug.disabled_passes: ["unit_functions"]` (the copies are then what
-runs, as before this pass).
+On with `pipeline.unit_functions: True` (off by default: the copies run). Why
+not on by default: the calls compute what the copies compute, but not always
+with the same rounding. TensorFlow's CPU graph rewrites (oneDNN's kernels and
+fusions) see a call's body apart from the graph around it, and on one oracle
+case (tests/passes/test_replicate_oracle.py, the transformer with uneven
+replica shares and Adam) the variables then differ from the copies' by 8.6e-6
+after 5 steps, beyond that test's tolerance (8e-6); with
+TF_ENABLE_ONEDNN_OPTS=0 the difference is 1.2e-7. Until the bodies round as
+the copies do, it is the user's choice.
 """
 from __future__ import annotations
 
@@ -81,19 +88,22 @@ _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "Placehold
 class UnitFunctions:
     """What the pass built: calls: one call op per group it outlined; functions: the
     library functions they call (distinct bodies); outlined: every op whose work a
-    call now does (its copy stays in the graph, unread); kept: groups left as
-    copies, with why."""
+    call now does (its copy stays in the graph, unread); kept: ops left as copies,
+    with why; outputs: each copied tensor a call returns -> that output of the call
+    (a fetch of it reads the call instead of running the unread copies)."""
 
     calls: list
     functions: list
     outlined: frozenset
     kept: list
+    outputs: dict = dataclasses.field(default_factory=dict)   # copy tensor -> call output
 
 
 class UnitFunctionsPass(GraphPass):
     """Each unit's forward and backward on each device as a call of a shared function."""
 
     name = "unit_functions"
+    off_note = "pipeline.unit_functions is off: the copies run"
     requires = (TrainingView, Replication)
     provides = (UnitFunctions,)
     after = ("verify",)   # the invariants are checked on the copies, op by op
@@ -113,6 +123,19 @@ class UnitFunctionsPass(GraphPass):
         notes += built.kept
         return PassResult(added=[op.name for op in built.calls], notes=notes,
                           modified=bool(built.calls))
+
+
+def body_nodes(ops) -> list:
+    """The NodeDefs of every unit function that a call among `ops` runs, once per
+    function (what a step computes inside its calls, for readers that look at the
+    ops a step runs)."""
+    names = {op.get_attr("f").name: op.graph for op in ops if op.type == "PartitionedCall"}
+    nodes = []
+    for name, graph in sorted(names.items(), key=lambda item: item[0]):
+        function = graph._get_function(name)
+        if isinstance(function, LibraryFunction):
+            nodes.extend(function.cached_definition.node_def)
+    return nodes
 
 
 def unit_groups(replication: Replication, split_taskgraphs: set) -> list:
@@ -242,7 +265,8 @@ def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
         for position, tensor in enumerate(body.outputs):
             replacement[tensor] = call.outputs[position]
     _rewire(graph, group_of, replacement, call_of)
-    return UnitFunctions(calls, sorted(set(registered.values())), frozenset(group_of), kept)
+    return UnitFunctions(calls, sorted(set(registered.values())), frozenset(group_of), kept,
+                         replacement)
 
 
 class _Body:
@@ -289,6 +313,11 @@ class _Body:
         for i, tensor in enumerate(self.inputs):
             arg = fdef.signature.input_arg.add()
             arg.name, arg.type = f"a{i}", tensor.dtype.as_datatype_enum
+            # the argument's static shape, as the graph knows it: Grappler's rewrites
+            # that depend on shapes (the remapper's fused MatMul + bias add) then rewrite
+            # the body as they rewrite the copies
+            fdef.arg_attr[i].attr["_output_shapes"].list.shape.add().CopyFrom(
+                tensor.shape.as_proto())
         for i, tensor in enumerate(self.outputs):
             out = fdef.signature.output_arg.add()
             out.name, out.type = f"o{i}", tensor.dtype.as_datatype_enum

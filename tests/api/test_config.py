@@ -16,6 +16,7 @@ EXPECTED_DEFAULTS = {
     "pipeline.num_micro_batch": 1,
     "pipeline.num_stages": None,
     "pipeline.strategy": "PreferBackward",
+    "pipeline.unit_functions": False,
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,
@@ -118,7 +119,8 @@ def test_dotted_dict_input_and_access() -> None:
     assert config.cluster.colocate_split_and_replicate is True
     assert config.to_dict()["pipeline.num_micro_batch"] == 4
     assert config.pipeline.to_dict() == {
-        "num_micro_batch": 4, "num_stages": None, "strategy": "PreferBackward"}
+        "num_micro_batch": 4, "num_stages": None, "strategy": "PreferBackward",
+        "unit_functions": False}
     assert isinstance(config.pipeline, ConfigSection)
 
 
@@ -197,7 +199,7 @@ def test_unknown_key_lists_section_keys_and_suggests() -> None:
     text = error_text({"pipeline.num_micro_batches": 4})
     assert "Unknown config key 'pipeline.num_micro_batches'" in text
     assert "Did you mean 'pipeline.num_micro_batch'?" in text
-    assert "Valid keys of section 'pipeline': num_micro_batch, num_stages, strategy." in text
+    assert "Valid keys of section 'pipeline': num_micro_batch, num_stages, strategy, unit_functions." in text
 
 
 def test_unknown_key_without_close_match_has_no_suggestion() -> None:

@@ -14,6 +14,7 @@ import tensorflow as tf
 import epl
 from epl.ir.annotations import REPLICA_ATTR
 from epl.ir.graph_view import ancestors
+from epl.passes import unit_functions
 
 STEPS = 5
 TOLERANCE = {"float16": dict(rtol=1e-2, atol=1e-3), "bfloat16": dict(rtol=5e-2, atol=1e-2)}
@@ -45,9 +46,18 @@ def _assert_close(result, reference, dtype, optimizer="sgd"):
     np.testing.assert_allclose(result.losses, reference.losses, **TOLERANCE[dtype])
 
 
+def _step_types(train_op) -> list:
+    """(type, its attr T or None) of every op the step runs, the nodes of the unit
+    functions it calls included (epl/passes/unit_functions.py)."""
+    step = ancestors([train_op])
+    pairs = [(op.type, op.get_attr("T") if "T" in op.node_def.attr else None) for op in step]
+    return pairs + [(node.op, tf.as_dtype(node.attr["T"].type) if "T" in node.attr else None)
+                    for node in unit_functions.body_nodes(step)]
+
+
 def _low_precision_products(graph, train_op, dtype) -> int:
-    return sum(1 for op in ancestors([train_op]) if op.type in ("MatMul", "BatchMatMulV2")
-               and op.get_attr("T") == tf.as_dtype(dtype))
+    return sum(1 for kind, t in _step_types(train_op) if kind in ("MatMul", "BatchMatMulV2")
+               and t == tf.as_dtype(dtype))
 
 
 @pytest.mark.parametrize("model,optimizer,dtype,replicas,micro", [
@@ -173,8 +183,8 @@ def _train_fallback_model(models, epl_config=None):
             losses = [sess.run([train_op, loss], {x: features_np, y: labels_np})[1]
                       for _ in range(STEPS)]
             values = sess.run({v.op.name: v for v in tf.compat.v1.trainable_variables()})
-        types = {op.type: op.get_attr("T") for op in ancestors([train_op])
-                 if op.type in ("MatMul", "BatchMatMulV3") and "T" in op.node_def.attr}
+        types = {kind: t for kind, t in _step_types(train_op)
+                 if kind in ("MatMul", "BatchMatMulV3") and t is not None}
         return losses, values, types
 
 

@@ -63,7 +63,7 @@ CASES = {
                           "amp.loss_scale": "dynamic", **COLLECTIVE}, {}),
     "offload": ({"cluster.virtual_devices": 2, "offload.level": "v0"}, {}),
     "verify": ({"cluster.virtual_devices": 2}, {}),
-    "unit_functions": ({"cluster.virtual_devices": 2}, {}),
+    "unit_functions": ({"cluster.virtual_devices": 2, "pipeline.unit_functions": True}, {}),
 }
 
 # pass -> (op types it adds, with their counts; how many existing ops it changes:
@@ -205,7 +205,7 @@ def test_a_pass_that_is_off_changes_nothing(epl_env):
     its dump entry says why (its `off_note`)."""
     ctx = run_pipeline(epl_env, {"cluster.virtual_devices": 2})
     assert ctx.passes_off == ["auto_stages", "amp", "recompute", "accumulate", "unscale", "zero",
-                              "apply_groups", "skip_on_overflow", "offload"]
+                              "apply_groups", "skip_on_overflow", "offload", "unit_functions"]
     assert "zero" not in ctx.passes_run and ctx.find(ZeroSharding) is None
 
 

@@ -206,7 +206,8 @@ CASES = {
                     lambda: classifier(bias=False)),
     "verify": Case(DEVICES2, classifier),
     # two stages, two micro-batches: each unit's stage forward and backward as a call
-    "unit_functions": Case({**DEVICES2, "pipeline.num_micro_batch": 2}, two_stages),
+    "unit_functions": Case({**DEVICES2, "pipeline.num_micro_batch": 2,
+                            "pipeline.unit_functions": True}, two_stages),
 }
 
 
@@ -469,7 +470,7 @@ UNCHANGED = {
     # one device: the variables are on the host already
     "offload": (Case({**ONE_DEVICE, "offload.level": "v0"}, classifier), False),
     # one device, one micro-batch: one unit, nothing to share
-    "unit_functions": (Case(ONE_DEVICE, classifier), False),
+    "unit_functions": (Case({**ONE_DEVICE, "pipeline.unit_functions": True}, classifier), False),
 }
 
 

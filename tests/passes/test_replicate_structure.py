@@ -24,7 +24,7 @@ from epl.tools import dump as epl_dump
 VARIABLE_TYPES = ("VarHandleOp", "VariableV2")
 PIPELINE = ["auto_stages", "annotate", "amp", "recompute", "replicate", "consistency",
             "accumulate", "unscale", "schedule", "zero", "gradient_comm", "apply_groups",
-            "skip_on_overflow", "offload", "verify"]
+            "skip_on_overflow", "offload", "verify", "unit_functions"]
 
 
 def _replica(op) -> int | None:

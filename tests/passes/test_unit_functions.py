@@ -1,7 +1,7 @@
 """The unit_functions pass: each unit's stage work as one call of a shared function.
 
 - The oracle: training with the pass gives, bit for bit, the variables and losses
-  of training without it (`debug.disabled_passes: ["unit_functions"]`: the
+  of training without it (`pipeline.unit_functions` off, the default: the
   copies run), for the pipelined encoder of test_pipeline.py (stages, micro-
   batches, both schedules, Adam) and for a data-parallel TF1 model with dropout
   (a stateful random op, which stays outside the functions).
@@ -9,8 +9,8 @@
   micro-batches of a stage share their functions, and no copy the calls replaced
   is left in what the step runs.
 - Feeds: a tensor computed from constants alone stays outside the functions, so
-  a feed of it reaches every unit (test_feeds_and_fetches.py); a feed of a
-  tensor a function computes is refused, naming the tensor.
+  a feed of it reaches every unit; a feed of a tensor a function computes is
+  refused, naming the tensor.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from epl.ir.graph_view import ancestors
 from epl.passes import unit_functions
 from test_pipeline import train_encoder
 
-OFF = {"debug.disabled_passes": ["unit_functions"]}
+ON = {"pipeline.unit_functions": True}
 
 
 def _assert_identical(result, reference):
@@ -41,9 +41,9 @@ def _assert_identical(result, reference):
 def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     config = {"cluster.virtual_devices": stages, "pipeline.num_micro_batch": micro,
               "pipeline.strategy": strategy, "debug.check_invariants": True}
-    epl_env({**config, **OFF})
-    copies = train_encoder(layers=stages, stages=stages, optimizer="adam")
     epl_env(config)
+    copies = train_encoder(layers=stages, stages=stages, optimizer="adam")
+    epl_env({**config, **ON})
     calls = train_encoder(layers=stages, stages=stages, optimizer="adam")
     _assert_identical(calls, copies)
 
@@ -95,8 +95,8 @@ def _dropout_run(config: dict | None, steps: int = 3):
 
 def test_dropout_stays_outside_and_replicas_train_exactly_as_the_copies():
     layout = {"cluster.virtual_devices": 2, "debug.check_invariants": True}
-    with_calls = _dropout_run(layout)
-    with_copies = _dropout_run({**layout, **OFF})
+    with_calls = _dropout_run({**layout, **ON})
+    with_copies = _dropout_run(layout)
     assert with_calls[0] == with_copies[0]
     for a, b in zip(with_calls[1], with_copies[1]):
         np.testing.assert_array_equal(a, b)
@@ -108,7 +108,7 @@ def test_dropout_stays_outside_and_replicas_train_exactly_as_the_copies():
 
 def test_a_feed_of_a_tensor_inside_a_function_is_refused():
     env.reset()
-    epl.init(epl.Config({"cluster.virtual_devices": 2}))
+    epl.init(epl.Config({"cluster.virtual_devices": 2, **ON}))
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
         w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1], np.float32))
@@ -122,3 +122,29 @@ def test_a_feed_of_a_tensor_inside_a_function_is_refused():
                 sess.run(train_op, feed)
             sess.run(train_op, {x: np.ones([4, 3], np.float32)})   # a plain step still runs
     env.reset()
+
+
+def _scaled_run(config: dict) -> list:
+    """Losses of two steps of a linear model whose loss is scaled by a fed tensor
+    computed from a constant (a scale the script feeds), 2 replicas x 2 micro-batches."""
+    env.reset()
+    epl.init(epl.Config(config))
+    data = np.arange(48, dtype=np.float32).reshape(16, 3) / 10
+    with tf.Graph().as_default():
+        scale = tf.identity(tf.constant(1.0), name="scale")
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w))) * scale
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [float(sess.run([loss, train_op], {x: data[i * 8:(i + 1) * 8],
+                                                        scale: 0.5})[0]) for i in range(2)]
+            losses.append(float(sess.run(w)[0, 0]))
+    env.reset()
+    return losses
+
+
+def test_a_fed_tensor_computed_from_constants_reaches_every_unit():
+    layout = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2}
+    assert _scaled_run({**layout, **ON}) == _scaled_run(layout)

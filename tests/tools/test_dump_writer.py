@@ -94,7 +94,7 @@ def test_pipeline_dumps_equal_the_full_graph_after_every_pass(epl_env, tmp_path,
     assert len(compared) == len(dumps) and not any(whole for whole, _ in compared)
     changed = [d.pass_name for d in dumps if not d.unchanged]
     assert changed[:3] == ["input", "annotate", "replicate"] and "schedule" in changed
-    assert [d.pass_name for d in dumps if d.unchanged] and dumps[-1].pass_name == "verify"
+    assert [d.pass_name for d in dumps if d.unchanged] and dumps[-1].pass_name == "unit_functions"
     final = load_graph_def(dumps[-1].graph_path)
     assert len(final.node) == len(graph.get_operations())
     elided = [n for n in final.node if "_epl_dump_elided" in n.attr]
