@@ -75,7 +75,7 @@ from tensorflow.python.framework import c_api_util
 from epl.ir import graph_mutation
 from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
-from epl.ir.graph_view import TrainingView
+from epl.ir.graph_view import TrainingView, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.replication.result import Replication
 
@@ -197,27 +197,28 @@ def _members(ops: list, deps: dict) -> list:
     # computed from constants and waiting for nothing of the group (the schedule's
     # edges from other units may order it)
     own, constant = set(ops), set()
-    for op in _topological(ops):
+    for op in topological_order(ops):
         if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
                 not any(c in own for c in op.control_inputs):
             constant.add(op)
     safe = [op for op in ops if op not in constant and function_safe(op)]
     inside = set(safe)
     read = [dep for op in ops if op not in inside for dep in deps[op] if dep in inside]
-    out = _with_ancestors(read, inside, deps)
+    out = _closure(read, inside, deps)
     return [op for op in safe if op not in out]
 
 
-def _with_ancestors(ops: list, inside: set, deps: dict) -> set:
-    """`ops` and every op of `inside` they read or wait for, directly or through
-    others of `inside`."""
+def _closure(ops: list, inside: set, neighbours: dict) -> set:
+    """`ops` and every op of `inside` reached from them through `neighbours` ({op:
+    the ops it reads or waits for}: its ancestors; {op: its readers}: its
+    descendants), directly or through others of `inside`."""
     found: set = set()
     stack = list(ops)
     while stack:
         op = stack.pop()
         if op not in found:
             found.add(op)
-            stack.extend(dep for dep in deps[op] if dep in inside and dep not in found)
+            stack.extend(n for n in neighbours.get(op, ()) if n in inside and n not in found)
     return found
 
 
@@ -274,7 +275,7 @@ class _Body:
     copied in as `c<i>`, every other tensor they read an argument `a<i>`."""
 
     def __init__(self, ops: list, group_of: dict, index: int):
-        self.ops = _topological(ops)
+        self.ops = topological_order(ops)
         self.position = {op: i for i, op in enumerate(self.ops)}
         self.index, self.group_of = index, group_of
         self.inputs: list = []           # external tensors, in order of first read
@@ -361,30 +362,6 @@ def _output_name(op: tf.Operation, node: str, index: int) -> str:
             return f"{node}:{arg.name}:{offset}"
         offset -= size
     raise ValueError(f"{op.name} has no output {index}")
-
-
-def _topological(ops: list) -> list:
-    """`ops` with every member after the members it reads or waits for (list order
-    otherwise)."""
-    inside = set(ops)
-    done, ordered = set(), []
-    for root in ops:
-        if root in done:
-            continue
-        stack = [(root, False)]
-        while stack:
-            op, expanded = stack.pop()
-            if op in done:
-                continue
-            if expanded:
-                done.add(op)
-                ordered.append(op)
-                continue
-            stack.append((op, True))
-            for dep in reversed([t.op for t in op.inputs] + list(op.control_inputs)):
-                if dep in inside and dep not in done:
-                    stack.append((dep, False))
-    return ordered
 
 
 class LibraryFunction:
@@ -539,8 +516,8 @@ def _move_between(deps: dict, members: dict) -> dict:
                                 if any(group_of.get(d) == target for d in deps[op])]
                     leaving = [op for op in members[source]
                                if any(group_of.get(u) == target for u in users.get(op, ()))]
-                    between = _with_descendants(entering, inside, users) & \
-                        _with_ancestors(leaving, inside, deps)
+                    between = _closure(entering, inside, users) & \
+                        _closure(leaving, inside, deps)
                     if between:
                         members[source] = [op for op in members[source] if op not in between]
                         members[target] += sorted(between, key=lambda op: op._id)
@@ -550,19 +527,6 @@ def _move_between(deps: dict, members: dict) -> dict:
         if not moved:
             break
     return {index: ops for index, ops in members.items() if len(ops) > 1}
-
-
-def _with_descendants(ops: list, inside: set, users: dict) -> set:
-    """`ops` and every op of `inside` that reads or waits for them, directly or
-    through others of `inside`."""
-    found: set = set()
-    stack = list(ops)
-    while stack:
-        op = stack.pop()
-        if op not in found:
-            found.add(op)
-            stack.extend(u for u in users.get(op, ()) if u in inside and u not in found)
-    return found
 
 
 def _break_cycles(deps: dict, members: dict) -> tuple[dict, int]:
@@ -591,7 +555,7 @@ def _break_cycles(deps: dict, members: dict) -> tuple[dict, int]:
                 feeding = [op for op in members[index]
                            if any(group_of.get(r, r) in nodes and group_of.get(r, r) != index
                                   for r in users.get(op, ()))]
-                out = _with_ancestors(feeding, inside, deps)
+                out = _closure(feeding, inside, deps)
                 given_up += len(out)
                 members[index] = [op for op in members[index] if op not in out]
                 if len(members[index]) < 2:
