@@ -161,7 +161,8 @@ SCHEMA: tuple[KeySpec, ...] = (
             "of a function they share (the unit_functions pass), so TensorFlow optimizes "
             "each stage once instead of once per copy: a faster first step with many "
             "micro-batches; the numbers may differ from the copies by float rounding "
-            "(oneDNN kernels on CPU). Not for tf.function steps."),
+            "(Grappler reassociates arithmetic across a call's boundary differently). Not "
+            "for tf.function steps."),
     # gradient_checkpoint
     KeySpec("gradient_checkpoint.type", "str", "",
             "How checkpoint tensors are chosen: '' (off), 'collection' "

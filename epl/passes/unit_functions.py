@@ -52,13 +52,15 @@ session refuses it (`UnitFunctions.outlined`, epl/hooks/session.py).
 
 On with `pipeline.unit_functions: True` (off by default: the copies run). Why
 not on by default: the calls compute what the copies compute, but not always
-with the same rounding. TensorFlow's CPU graph rewrites (oneDNN's kernels and
-fusions) see a call's body apart from the graph around it, and on one oracle
-case (tests/passes/test_replicate_oracle.py, the transformer with uneven
-replica shares and Adam) the variables then differ from the copies' by 8.6e-6
-after 5 steps, beyond that test's tolerance (8e-6); with
-TF_ENABLE_ONEDNN_OPTS=0 the difference is 1.2e-7. Until the bodies round as
-the copies do, it is the user's choice.
+with the same rounding. Grappler's arithmetic optimizer rewrites the session's
+graph, where it reassociates a unit's arithmetic together with the ops around
+it; a call's body it sees apart. On one oracle case
+(tests/passes/test_replicate_oracle.py, the transformer with uneven replica
+shares in global batch mode and Adam) the variables then differ from the
+copies' by 8.6e-6 after 5 steps, beyond that test's tolerance (8e-6); with the
+session's arithmetic optimizer off, calls and copies agree bit for bit (and
+with oneDNN off, TF_ENABLE_ONEDNN_OPTS=0, they differ by 1.2e-7). Until the
+bodies round as the copies do, it is the user's choice.
 """
 from __future__ import annotations
 
