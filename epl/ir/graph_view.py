@@ -254,8 +254,17 @@ def colocation_root(op: tf.Operation) -> tf.Operation | None:
 
 def input_args(op: tf.Operation) -> list:
     """(OpDef argument, how many of op's inputs it takes) for each input argument."""
+    return _arg_widths(op, op.op_def.input_arg)
+
+
+def output_args(op: tf.Operation) -> list:
+    """(OpDef argument, how many of op's outputs it gives) for each output argument."""
+    return _arg_widths(op, op.op_def.output_arg)
+
+
+def _arg_widths(op: tf.Operation, args) -> list:
     widths = []
-    for arg in op.op_def.input_arg:
+    for arg in args:
         if arg.number_attr:
             width = op.get_attr(arg.number_attr)
         elif arg.type_list_attr:

@@ -77,7 +77,7 @@ from tensorflow.python.framework import c_api_util
 from epl.ir import graph_mutation
 from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
-from epl.ir.graph_view import TrainingView, topological_order
+from epl.ir.graph_view import TrainingView, output_args, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.replication.result import Replication
 
@@ -353,13 +353,7 @@ def _output_name(op: tf.Operation, node: str, index: int) -> str:
     """FunctionDef name of output `index` of `op` written as node `node`:
     "node:<output arg>:<index within the arg>"."""
     offset = index
-    for arg in op.op_def.output_arg:
-        if arg.number_attr:
-            size = op.get_attr(arg.number_attr)
-        elif arg.type_list_attr:
-            size = len(op.get_attr(arg.type_list_attr))
-        else:
-            size = 1
+    for arg, size in output_args(op):
         if offset < size:
             return f"{node}:{arg.name}:{offset}"
         offset -= size
