@@ -52,6 +52,7 @@ import sys
 from typing import NamedTuple
 
 import tensorflow as tf
+from tensorflow.python.client import pywrap_tf_session as c_api
 
 from epl.errors import ParallelizeError
 from epl.graph_keys import merge_requests
@@ -163,6 +164,25 @@ def descendants(tensors, within: set | None = None) -> set[tf.Operation]:
         seen.add(op)
         stack.extend(c for out in op.outputs for c in out.consumers())
     return seen
+
+
+def predecessors(graph: tf.Graph) -> dict:
+    """op -> the ops it reads (data inputs, then control inputs), in graph order.
+
+    Read once and shared by the readers of one pass (the verify pass's checks, the
+    unit_functions pass). Speed: the first
+    read of `op.inputs` builds and caches a Tensor object per input (about
+    7 us per op; the ops the passes import have none cached yet); where none
+    is cached, the producers are read from the C graph instead (about 4 us).
+    """
+    op_of = graph._get_operation_by_tf_operation
+    preds = {}
+    for op in graph.get_operations():
+        cached = getattr(op, "_inputs_val", None)
+        data = ([t.op for t in cached] if cached is not None
+                else [op_of(output.oper) for output in c_api.GetOperationInputs(op._c_op)])
+        preds[op] = data + op.control_inputs
+    return preds
 
 
 def topological_order(ops) -> list[tf.Operation]:

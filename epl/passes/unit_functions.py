@@ -77,7 +77,7 @@ from tensorflow.python.framework import c_api_util
 from epl.ir import graph_mutation
 from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
-from epl.ir.graph_view import TrainingView, output_args, topological_order
+from epl.ir.graph_view import TrainingView, output_args, predecessors, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.replication.result import Replication
 
@@ -112,12 +112,11 @@ class UnitFunctionsPass(GraphPass):
 
     def run(self, graph: tf.Graph, ctx: PassContext) -> PassResult:
         replication = ctx.get(Replication)
-        split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
-        groups = unit_groups(replication, split)
         if len(replication.units()) < 2:
             ctx.provide(UnitFunctions([], [], frozenset(), []))
             return PassResult(notes=["one unit: nothing to share"], modified=False)
-        built = outline(graph, groups)
+        split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
+        built = outline(graph, unit_groups(replication, split))
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
@@ -226,7 +225,7 @@ def _closure(ops: list, inside: set, neighbours: dict) -> set:
 
 def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
     """Replace every group that can be one call by a call of its function."""
-    deps = _dependencies(graph)
+    deps = predecessors(graph)
     members = {}
     for index, (_, _, _, ops) in enumerate(groups):
         chosen = _members(ops, deps)
@@ -235,14 +234,13 @@ def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
     kept = []
     count = len(members)
     members = _move_between(deps, members)
-    members, given_up = _break_cycles(deps, members)
+    members, given_up, order = _break_cycles(deps, members)
     if given_up:
         kept.append(f"{given_up} op(s) of {count} groups kept as copies, "
                     f"{count - len(members)} whole group(s): in a call they would close a "
                     "cycle (a group that reads, through ops outside it, a value it computes)")
     group_of = {op: index for index, ops in members.items() for op in ops}
-    order = _call_order(deps, group_of)
-    bodies = {index: _Body(members[index], group_of, index) for index in order}
+    bodies = {index: _Body(members[index], group_of) for index in order}
     # what each group gives the graph: its tensors read by any op outside it
     for op in graph.get_operations():
         own = group_of.get(op)
@@ -276,10 +274,10 @@ class _Body:
     """One group's FunctionDef: its members as nodes `n<i>`, the constants they read
     copied in as `c<i>`, every other tensor they read an argument `a<i>`."""
 
-    def __init__(self, ops: list, group_of: dict, index: int):
+    def __init__(self, ops: list, group_of: dict):
         self.ops = topological_order(ops)
         self.position = {op: i for i, op in enumerate(self.ops)}
-        self.index, self.group_of = index, group_of
+        self.group_of = group_of
         self.inputs: list = []           # external tensors, in order of first read
         self._argument: dict = {}
         self._constants: dict = {}       # constant tensor -> its node name
@@ -296,7 +294,6 @@ class _Body:
         """The FunctionDef (unnamed): equal groups give equal protos."""
         self.outputs.sort(key=lambda t: (self.position[t.op], t.value_index))
         fdef = function_pb2.FunctionDef()
-        nodes = []
         controls = set()
         for i, op in enumerate(self.ops):
             node = fdef.node_def.add()
@@ -312,7 +309,6 @@ class _Body:
                 elif control not in controls:
                     controls.add(control)
                     self.controls.append(control)
-            nodes.append(node)
         for i, tensor in enumerate(self.inputs):
             arg = fdef.signature.input_arg.add()
             arg.name, arg.type = f"a{i}", tensor.dtype.as_datatype_enum
@@ -416,7 +412,9 @@ def _body_config() -> attr_value_pb2.AttrValue:
     among the copies; the 4-stage encoder of tests/passes/test_pipeline.py then
     differed from the copies by one float32 ulp in its gradients, which Adam made
     2-5e-6 in its variables after 3 steps. Without them the calls compute bit for
-    bit what the copies compute (tests/passes/test_unit_functions.py)."""
+    bit what the copies compute there (tests/passes/test_unit_functions.py); not
+    everywhere: the session's own arithmetic optimizer rewrites the copies
+    together with the ops around them (the module docstring)."""
     config = config_pb2.ConfigProto()
     rewrite = config.graph_options.rewrite_options
     rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
@@ -453,12 +451,6 @@ def _rewire(graph, group_of: dict, replacement: dict, call_of: dict) -> None:
                     mapped.append(control)
             graph_mutation.remove_all_control_inputs(op)
             graph_mutation.add_control_inputs(op, mapped)
-
-
-def _dependencies(graph) -> dict:
-    """{op: the ops it reads or waits for}, once per pass."""
-    return {op: [t.op for t in op.inputs] + list(op.control_inputs)
-            for op in graph.get_operations()}
 
 
 def _contracted_edges(deps: dict, group_of: dict):
@@ -525,7 +517,7 @@ def _move_between(deps: dict, members: dict) -> dict:
     return {index: ops for index, ops in members.items() if len(ops) > 1}
 
 
-def _break_cycles(deps: dict, members: dict) -> tuple[dict, int]:
+def _break_cycles(deps: dict, members: dict) -> tuple[dict, int, list]:
     """`members` with no group on a cycle of the graph with every group contracted
     (a call waits for all of its inputs, so a group that reads, through ops outside
     it, a value it computes itself cannot be one call).
@@ -541,9 +533,11 @@ def _break_cycles(deps: dict, members: dict) -> tuple[dict, int]:
     while True:
         group_of = {op: index for index, ops in members.items() for op in ops}
         edges = _contracted_edges(deps, group_of)
-        cyclic = [component for component in _components(edges) if len(component) > 1]
+        components = _components(edges)
+        cyclic = [component for component in components if len(component) > 1]
         if not cyclic:
-            return members, given_up
+            return members, given_up, [node for component in components for node in component
+                                       if isinstance(node, int)]
         for component in cyclic:
             nodes = set(component)
             for index in [n for n in component if isinstance(n, int)]:
@@ -600,13 +594,3 @@ def _components(edges: dict) -> list:
                         break
                 components.append(component)
     return components
-
-
-def _call_order(deps: dict, group_of: dict) -> list:
-    """The groups in an order where every group comes after the groups it reads or waits
-    for (the contracted graph is acyclic here): Tarjan's components come out in
-    reverse topological order of the reversed edges, i.e. dependencies first."""
-    edges = _contracted_edges(deps, group_of)
-    return [node for component in _components(edges) for node in component
-            if isinstance(node, int)]
-

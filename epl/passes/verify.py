@@ -16,13 +16,12 @@ A violation raises PassError naming every offending op.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.client import pywrap_tf_session as c_api
 
 from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase
 from epl.ir.clone import created_complete
 from epl.ir.consistency import WriteKind, is_random, varying_writes
-from epl.ir.graph_view import TrainingView, ancestors
+from epl.ir.graph_view import TrainingView, ancestors, predecessors
 from epl.passes.gradient_comm import ReducedGradients
 from epl.passes.gradient_flow import ReplicaGradients
 from epl.passes.consistency import REMEDY, ConsistentValues
@@ -59,24 +58,6 @@ def check_tagged_and_placed(graph: tf.Graph) -> None:
         _fail("ops without a TaskGraph or a device", bad,
               "Ops created after parallelization are not placed by EPL; build the whole "
               "model before the first session.")
-
-
-def predecessors(graph: tf.Graph) -> dict:
-    """op -> the ops it reads (data inputs, then control inputs), in graph order.
-
-    Read once and shared by the checks of one verification. Speed: the first
-    read of `op.inputs` builds and caches a Tensor object per input (about
-    7 us per op; the ops the passes import have none cached yet); where none
-    is cached, the producers are read from the C graph instead (about 4 us).
-    """
-    op_of = graph._get_operation_by_tf_operation
-    preds = {}
-    for op in graph.get_operations():
-        cached = getattr(op, "_inputs_val", None)
-        data = ([t.op for t in cached] if cached is not None
-                else [op_of(output.oper) for output in c_api.GetOperationInputs(op._c_op)])
-        preds[op] = data + op.control_inputs
-    return preds
 
 
 def check_acyclic(graph: tf.Graph, preds: dict | None = None) -> None:
