@@ -63,8 +63,10 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     assert result.outlined and not step & result.outlined
 
 
-def _dropout_run(config: dict | None, steps: int = 3):
-    """(losses, variables) of a TF1 dense model with dropout on 2 replicas."""
+def _dropout_run(config: dict | None, steps: int = 3, inputs: str = "placeholder"):
+    """(losses, variables, function bodies) of a TF1 dense model with dropout on 2
+    replicas, fed by placeholders holding both replicas' rows or drawn from a tf.data
+    iterator (each replica draws its own batch)."""
     env.reset()
     epl.init(epl.Config(dict(config or {})))
     rng = np.random.RandomState(0)
@@ -72,8 +74,14 @@ def _dropout_run(config: dict | None, steps: int = 3):
     labels = rng.randint(0, 3, size=[8]).astype(np.int32)
     with tf.Graph().as_default() as graph:
         tf.compat.v1.set_random_seed(7)
-        x = tf.compat.v1.placeholder(tf.float32, [4, 6], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [4], name="y")
+        if inputs == "dataset":
+            dataset = tf.data.Dataset.from_tensor_slices((data, labels)).batch(4).repeat()
+            x, y = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+            feed = {}
+        else:
+            x = tf.compat.v1.placeholder(tf.float32, [4, 6], name="x")
+            y = tf.compat.v1.placeholder(tf.int32, [4], name="y")
+            feed = {x: data, y: labels}
         init = tf.compat.v1.constant_initializer
         h = tf.compat.v1.layers.dense(x, 16, activation=tf.nn.relu,
                                       kernel_initializer=init(rng.randn(6, 16) / 3))
@@ -83,8 +91,7 @@ def _dropout_run(config: dict | None, steps: int = 3):
         train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            losses = [float(sess.run([loss, train_op], {x: data, y: labels})[0])
-                      for _ in range(steps)]
+            losses = [float(sess.run([loss, train_op], feed)[0]) for _ in range(steps)]
             values = sess.run(tf.compat.v1.trainable_variables())
         calls = [op for op in graph.get_operations() if op.type == "PartitionedCall"]
         library = {f.signature.name: f for f in graph.as_graph_def().library.function}
@@ -93,10 +100,11 @@ def _dropout_run(config: dict | None, steps: int = 3):
     return losses, values, bodies
 
 
-def test_dropout_stays_outside_and_replicas_train_exactly_as_the_copies():
+@pytest.mark.parametrize("inputs", ["placeholder", "dataset"])
+def test_dropout_stays_outside_and_replicas_train_exactly_as_the_copies(inputs):
     layout = {"cluster.virtual_devices": 2, "debug.check_invariants": True}
-    with_calls = _dropout_run({**layout, **ON})
-    with_copies = _dropout_run(layout)
+    with_calls = _dropout_run({**layout, **ON}, inputs=inputs)
+    with_copies = _dropout_run(layout, inputs=inputs)
     assert with_calls[0] == with_copies[0]
     for a, b in zip(with_calls[1], with_copies[1]):
         np.testing.assert_array_equal(a, b)
@@ -118,8 +126,14 @@ def test_a_feed_of_a_tensor_inside_a_function_is_refused():
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.ones([4, 3], np.float32), hidden: np.zeros([2, 1], np.float32)}
-            with pytest.raises(ParallelizeError, match="the feed of hidden:0 cannot reach"):
+            with pytest.raises(ParallelizeError) as err:
                 sess.run(train_op, feed)
+            assert str(err.value) == (
+                "the feed of hidden:0 cannot reach the training step: EPL computes it inside a "
+                "unit function (epl/passes/unit_functions.py: each micro-batch's and replica's "
+                "work as one function call), which a feed does not enter. Feed a placeholder "
+                "(tf.compat.v1.placeholder or placeholder_with_default) instead of a computed "
+                "tensor, or leave pipeline.unit_functions off.")
             sess.run(train_op, {x: np.ones([4, 3], np.float32)})   # a plain step still runs
     env.reset()
 
