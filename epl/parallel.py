@@ -234,6 +234,9 @@ class ParallelGraph:
     # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
     # run-time errors in the user's terms (epl.passes.replication.origins)
     origins: dict = dataclasses.field(default_factory=dict)
+    # (pass name, first, end): graph.get_operations()[first:end] are the ops that pass
+    # added (PassContext.op_spans); a run-time error names EPL's own ops (not copies) by it
+    pass_spans: list = dataclasses.field(default_factory=list)
 
     def session_config(self, base=None):
         """The session config that creates this graph's devices, with one round of
@@ -394,6 +397,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
         result.outlined, result.unit_outputs = functions.outlined, dict(functions.outputs)
     result.ops_after_rewrite = len(graph.get_operations())
     result.origins = copy_origins(replication)
+    result.pass_spans = list(ctx.op_spans)
     record.result = result
     _log_summary(result, ctx, config, time.perf_counter() - start)
     return result

@@ -69,8 +69,8 @@ class PassContext:
     use them). inputs: the driver's values (the analysis, the plan, the gradient-time
     records, ...), each keyed by its type. `get`, `find` and `provide` are how passes
     read and write results; the manager checks them against what the running pass
-    declares. `timings`, `passes_run`, `passes_off` and `validated` are the manager's
-    bookkeeping.
+    declares. `timings`, `passes_run`, `passes_off`, `validated` and `op_spans` are the
+    manager's bookkeeping.
     """
 
     def __init__(self, cluster: Any, communicator: Any, inputs: tuple = ()):
@@ -84,6 +84,9 @@ class PassContext:
         # pass name -> what its validate() returned (its analysis of the graph as the
         # user built it), which only that pass's run() reads
         self.validated: dict[str, Any] = {}
+        # (pass name, first, end): the ops graph.get_operations()[first:end] are the ones
+        # that pass added (run-time errors name EPL's own ops by the pass that made them)
+        self.op_spans: list[tuple[str, int, int]] = []
         for value in inputs:
             self._results[type(value)] = value
 
@@ -398,5 +401,6 @@ class PassManager:
         finally:
             ctx._running = None
         duration = time.perf_counter() - start
+        ctx.op_spans.append((graph_pass.name, first_new, len(graph.get_operations())))
         adopt_new_ops(graph, first_new, self.fallback_taskgraph, ctx.cluster.host_device)
         return result, duration

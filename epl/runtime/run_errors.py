@@ -12,7 +12,9 @@ which raises in its place:
   cases what is wrong and what to do (a variable not initialized; the input
   ran out of data, with how many batches a step draws), and every copy named
   as the user's op with its unit: ``out/kernel (replica 1's copy)``
-  (`user_names`, from ParallelGraph.origins); the error's op is the user's;
+  (`user_names`, from ParallelGraph.origins), and every other op EPL added by
+  the pass that added it: ``EPL's own op (from its gradient_comm pass)``
+  (ParallelGraph.pass_spans); the error's op is the user's;
 - for a run that restores a checkpoint whose files are missing or damaged, a
   `CheckpointError` naming the file and what is wrong (epl.checkpoint.damage),
   and an older intact checkpoint if there is one;
@@ -43,8 +45,10 @@ _VARIABLE = re.compile(r"(?:Could not find variable|uninitialized value) "
                        r"([A-Za-z0-9_.\-/]*[A-Za-z0-9_])")
 
 
-def _lookup(token: str, origins: dict) -> tuple[str, str, str] | None:
-    """(the part of `token` that is a copy's name, its user's name, its unit), or None."""
+def _lookup(token: str, origins: dict, own: dict) -> tuple[str, str] | None:
+    """(the part of `token` that names an op of EPL's, the user's words for it), or None.
+    origins: EPL's copies (name -> (the user's op, its unit)); own: the other ops EPL's
+    passes added (name -> the pass that added it)."""
     candidates = [token]
     bare = token.split(":", 1)[0]
     candidates += [bare, _RECV_SUFFIX.sub("", bare)]
@@ -54,24 +58,42 @@ def _lookup(token: str, origins: dict) -> tuple[str, str, str] | None:
     for candidate in candidates:
         if candidate in origins:
             original, unit = origins[candidate]
-            return candidate, original, unit
+            return candidate, "%s (%s's copy)" % (original, unit)
+    for candidate in candidates:
+        if candidate in own:
+            return candidate, "EPL's own op (from its %s pass)" % own[candidate]
     return None
 
 
-def user_names(text: str, origins: dict) -> str:
-    """`text` with every EPL copy it names replaced by the user's op and the copy's unit:
-    ``EPL_REPLICA_1/out/kernel`` -> ``out/kernel (replica 1's copy)``."""
-    if not origins:
+def own_ops(result) -> dict:
+    """The ops EPL's passes added to `result`'s graph that are not copies of the user's
+    ops (a gradient all-reduce, an accumulator, a unit's call): name -> the pass that
+    added it (ParallelGraph.pass_spans)."""
+    ops = result.graph.get_operations()
+    own = {}
+    for name, first, end in result.pass_spans:
+        for op in ops[first:end]:
+            if op.name not in result.origins:
+                own[op.name] = name
+    return own
+
+
+def user_names(text: str, origins: dict, own: dict | None = None) -> str:
+    """`text` with every EPL copy it names replaced by the user's op and the copy's unit
+    (``EPL_REPLICA_1/out/kernel`` -> ``out/kernel (replica 1's copy)``), and every other
+    op of EPL's in `own` (name -> the pass that added it) by what it is
+    (``EPL_FUSION_1/concat`` -> ``EPL's own op (from its gradient_comm pass)``)."""
+    own = own or {}
+    if not origins and not own:
         return text
 
     def replace(match):
         token = match.group(0).rstrip(".")
         tail = match.group(0)[len(token):]  # a sentence's full stop
-        found = _lookup(token, origins)
+        found = _lookup(token, origins, own)
         if found is None:
             return token + tail
-        part, original, unit = found
-        named = "%s (%s's copy)" % (original, unit)
+        part, named = found
         if token != part and _RECV_SUFFIX.sub("", token) == part:  # TensorFlow's transfer node
             return named + tail
         return token.replace(part, named, 1) + tail
@@ -163,9 +185,10 @@ def rewrite(err: tf.errors.OpError, result, step: int | None, saving: str | None
                 head, restoring, problem, older_checkpoint(restoring)))
     if saving:
         return CheckpointError("%ssaving the checkpoint %s failed: %s. %s" % (
-            head, saving, _save_reason(err, saving, user_names(first, result.origins)),
+            head, saving, _save_reason(err, saving, user_names(first, result.origins,
+                                                               own_ops(result))),
             _kept(saving)))
-    message = user_names(err.message, result.origins)
+    message = user_names(err.message, result.origins, own_ops(result))
     op = _user_op(err, result)
     node_def = op.node_def if op is not None else err.node_def
     short = _short_input(err)

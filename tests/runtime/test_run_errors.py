@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from epl.checkpoint.damage import diagnose, last_good
 from epl.errors import CheckpointError
-from epl.runtime.run_errors import user_names
+from epl.hooks.record import record_of
+from epl.runtime.run_errors import own_ops, user_names
 from multiworker import run_job, worker_script
 
 ROWS = 4
@@ -48,6 +49,37 @@ def test_user_names_replaces_copies_by_the_users_ops():
         "Could not find variable out/kernel (replica 1's copy). (Could not find resource: "
         "localhost/out/kernel (replica 1's copy)) [[IteratorGetNext (replica 1's copy)]] x:0 "
         "out/kernel (replica 1's copy):0")
+
+
+def test_user_names_says_what_epls_own_ops_are():
+    # an op a pass added that copies no user op (TensorFlow names it, or its transfer
+    # node, beside the op that failed): named by the pass that added it
+    own = {"EPL_FUSION_1/concat": "gradient_comm"}
+    assert user_names("Could not find variable EPL_REPLICA_1/out/kernel. "
+                      "[[EPL_FUSION_1/concat/_5]] EPL_FUSION_1/concat:0",
+                      {"EPL_REPLICA_1/out/kernel": ("out/kernel", "replica 1")}, own) == (
+        "Could not find variable out/kernel (replica 1's copy). "
+        "[[EPL's own op (from its gradient_comm pass)]] "
+        "EPL's own op (from its gradient_comm pass):0")
+
+
+def test_every_op_epl_added_has_words_for_errors(epl_env):
+    # whichever of the rewritten graph's ops TensorFlow names in an error (which
+    # depends on timing: a cancelled transfer of a gradient all-reduce, say), the
+    # message names no op of EPL's by its graph name
+    with tf.Graph().as_default() as graph:
+        train = _model(epl_env)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+        result = record_of(graph).result
+        own = own_ops(result)
+        added = [op.name for op in graph.get_operations()[:result.ops_after_rewrite]
+                 if op.name.startswith("EPL_")]
+    assert any(name in own for name in added)  # the gradient all-reduce, at least
+    assert not [name for name in added if name not in own and name not in result.origins]
+    assert user_names(" ".join("[[%s/_1]]" % name for name in added), result.origins,
+                      own).count("EPL_") == 0
 
 
 def test_uninitialized_variable_names_the_users_variable(epl_env):
