@@ -34,8 +34,14 @@ OPTIONS = {
     "zero": {"cluster.virtual_devices": 2, "zero.level": "v1",
              "communication.sparse_as_dense": True},
 }
-# fp16 compression and AMP round the gradients: their tolerance (the others: float noise)
+# fp16 compression and AMP round the gradients: their tolerance. The others differ
+# from single-device training by float noise only: RTOL, and an atol from the noise
+# floor measured on this machine (tests/conftest.py: the same training with the
+# batch's loss as the mean of its two halves' losses; AVX2 and AVX-512 kernels round
+# differently, and Adam amplifies it near its epsilon: 8e-6 in hidden/bias on an AVX2
+# EPYC, where a fixed atol of 1e-6 failed).
 LOOSE = {"fp16": dict(rtol=2e-3, atol=2e-4), "amp": dict(rtol=2e-2, atol=2e-3)}
+RTOL, ATOL, NOISE_FACTOR = 1e-5, 1e-6, 10.0
 
 
 def _model(ids, labels):
@@ -75,7 +81,8 @@ def _bert_optimizer(loss, global_step):
 PATHS = {"minimize": _minimize, "tf_gradients": _clip_then_apply, "bert": _bert_optimizer}
 
 
-def _train(path: str, config: dict | None):
+def _train(path: str, config: dict | None, halves: bool = False):
+    """halves: single-device, the loss the mean of the two halves' losses (the noise floor)."""
     env.reset()
     units = 1
     if config is not None:
@@ -85,7 +92,13 @@ def _train(path: str, config: dict | None):
     with tf.Graph().as_default() as graph:
         ids = tf.compat.v1.placeholder(tf.int32, [rows, SEQ], name="ids")
         labels = tf.compat.v1.placeholder(tf.int32, [rows], name="labels")
-        loss = _model(ids, labels)
+        if halves:
+            with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
+                                             reuse=tf.compat.v1.AUTO_REUSE):
+                loss = tf.add_n([_model(*part) for part in
+                                 zip(tf.split(ids, 2), tf.split(labels, 2))]) / 2
+        else:
+            loss = _model(ids, labels)
         global_step = tf.compat.v1.train.get_or_create_global_step()
         train_op = PATHS[path](loss, global_step)
         with tf.compat.v1.Session() as sess:
@@ -98,20 +111,30 @@ def _train(path: str, config: dict | None):
     return losses, values, graph
 
 
-_REFERENCES: dict = {}
+_REFERENCES: dict = {}   # path -> (single-device result, {variable or "<losses>": floor})
+
+
+def _reference(path: str):
+    if path not in _REFERENCES:
+        reference, halves = _train(path, None), _train(path, None, halves=True)
+        floor = {name: float(np.max(np.abs(halves[1][name] - value)))
+                 for name, value in reference[1].items()}
+        floor["<losses>"] = float(np.max(np.abs(np.array(halves[0]) - reference[0])))
+        _REFERENCES[path] = reference, floor
+    return _REFERENCES[path]
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_every_gradient_option_on_every_gradient_path(path, option):
-    if path not in _REFERENCES:
-        _REFERENCES[path] = _train(path, None)
-    reference = _REFERENCES[path]
+    reference, floor = _reference(path)
     losses, values, graph = _train(path, OPTIONS[option])
-    tolerance = LOOSE.get(option, dict(rtol=1e-5, atol=1e-6))
-    np.testing.assert_allclose(losses, reference[0], err_msg="losses", **tolerance)
+
+    def tolerance(name):
+        return LOOSE.get(option, dict(rtol=RTOL, atol=max(ATOL, NOISE_FACTOR * floor[name])))
+    np.testing.assert_allclose(losses, reference[0], err_msg="losses", **tolerance("<losses>"))
     for name, value in reference[1].items():
-        np.testing.assert_allclose(values[name], value, err_msg=name, **tolerance)
+        np.testing.assert_allclose(values[name], value, err_msg=name, **tolerance(name))
     if option in ("sparse_as_dense", "zero"):   # the table's gradient was reduced dense
         view = parallel_graph(graph).view
         table = [g for g, v in view.gradients if v.name == "table"]
