@@ -25,7 +25,7 @@ TensorFlow's own RunMetadata step stats:
 
 Medians over `--repeats` traced steps.
 
-    python bench/pipeline.py [--quick] [--unit-functions] [--stages 2] [--micro-batches 4 8 16]
+    python bench/pipeline.py [--quick] [--copies] [--stages 2] [--micro-batches 4 8 16]
         [--micro-batch-size 8] [--layers 4] [--hidden 128] [--seq 64] [--repeats 3]
 Prints: pipeline: peak memory 1F1B / GPipe at M=16 = X (stage 0) ... ; growth M=4->16 ...
 """
@@ -143,7 +143,7 @@ def measure(args, stages: int, micro: int, strategy: str) -> dict:
     env.reset()
     epl.init(epl.Config({"cluster.virtual_devices": stages, "pipeline.num_micro_batch": micro,
                          "pipeline.strategy": strategy,
-                         "pipeline.unit_functions": args.unit_functions}))
+                         "pipeline.unit_functions": not args.copies}))
     devices = [f"/device:CPU:{s}" for s in range(stages)]
     with tf.Graph().as_default() as graph:
         train_op, feed = build(args, stages, args.micro_batch_size, micro)
@@ -173,9 +173,9 @@ def measure(args, stages: int, micro: int, strategy: str) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="1F1B vs GPipe: peak memory and bubble")
     parser.add_argument("--quick", action="store_true", help="tiny model, M in 2 4, 1 repeat")
-    parser.add_argument("--unit-functions", action="store_true",
-                        help="pipeline.unit_functions on: each micro-batch's stage work as a "
-                             "call of a shared function")
+    parser.add_argument("--copies", action="store_true",
+                        help="pipeline.unit_functions off: a copy of each stage's ops per "
+                             "micro-batch instead of a call of a shared function (the default)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--micro-batch-size", type=int, default=8)
@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
     print(f"pipeline: {stages} stages on {stages} virtual CPU devices, {args.layers}-layer "
           f"encoder (hidden {args.hidden}, seq {args.seq}), micro-batch {args.micro_batch_size} "
           f"examples (global batch = M x {args.micro_batch_size}); medians of {args.repeats} "
-          "traced steps" + ("; pipeline.unit_functions on" if args.unit_functions else ""),
+          "traced steps" + ("; pipeline.unit_functions off (copies)" if args.copies else ""),
           flush=True)
     results = {}
     for micro in args.micro_batches:

@@ -71,7 +71,7 @@ creation, initialization and first step) at the same configuration.
     python bench/startup.py --layers 12 --micro-batches 4 16 --repeats 1 --timeout 400
     python bench/startup.py --quick                 # 2 layers, M 2 4, DP 2, 1 repeat (smoke test)
     python bench/startup.py --no-grappler ...       # the same with Grappler off on both sides
-    python bench/startup.py --unit-functions ...    # EPL with pipeline.unit_functions on
+    python bench/startup.py --copies ...            # EPL with pipeline.unit_functions off
 """
 from __future__ import annotations
 
@@ -111,9 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="both sides' sessions with Grappler off (rewrite_options."
                         "disable_meta_optimizer): how much of the first step is graph "
                         "optimization")
-    parser.add_argument("--unit-functions", action="store_true",
-                        help="EPL side with pipeline.unit_functions on (each unit's stage work "
-                             "as a call of a shared function)")
+    parser.add_argument("--copies", action="store_true",
+                        help="EPL side with pipeline.unit_functions off (a copy of each stage's "
+                             "ops per unit instead of a call of a shared function, the default)")
     parser.add_argument("--child", help=argparse.SUPPRESS)   # internal: one measurement
     args = parser.parse_args(argv)
     if args.quick:
@@ -166,8 +166,8 @@ def run_child(spec: dict) -> None:
         config = {"cluster.virtual_devices": spec["replicas"] if dp else STAGES}
         if not dp:
             config["pipeline.num_micro_batch"] = spec["micro"]
-        if spec.get("unit_functions"):
-            config["pipeline.unit_functions"] = True
+        if spec.get("copies"):
+            config["pipeline.unit_functions"] = False
         epl.init(epl.Config(config))
 
     def scope(name):
@@ -350,7 +350,7 @@ def main(argv=None) -> dict:
         from common import format_table
 
     base = {"batch": args.batch, "hidden": args.hidden, "steps": args.steps,
-            "grappler": not args.no_grappler, "unit_functions": args.unit_functions}
+            "grappler": not args.no_grappler, "copies": args.copies}
     configs = []   # (label, spec)
     for layers in args.layers:
         for micro in args.micro_batches:
@@ -369,7 +369,7 @@ def main(argv=None) -> dict:
           f"{args.repeats} run(s), each (configuration, side) in a fresh process, timeout "
           f"{args.timeout:.0f} s per process"
           + ("; Grappler off in both sides' sessions" if args.no_grappler else "")
-          + ("; EPL with pipeline.unit_functions" if args.unit_functions else ""), flush=True)
+          + ("; EPL with pipeline.unit_functions off (copies)" if args.copies else ""), flush=True)
 
     runs = {(label, side): [] for label, _ in configs for side in ("epl", "plain")}
     skipped = {}   # label -> why EPL was not run

@@ -156,13 +156,13 @@ SCHEMA: tuple[KeySpec, ...] = (
             "Pipeline schedule: PreferBackward (PipeDream-like, 1F1B) or "
             "PreferForward (GPipe-like).",
             allowed=_PIPELINE_STRATEGIES),
-    KeySpec("pipeline.unit_functions", "bool", False,
+    KeySpec("pipeline.unit_functions", "bool", True,
             "Run each micro-batch's and replica's stage forward and backward as one call "
             "of a function they share (the unit_functions pass), so TensorFlow optimizes "
             "each stage once instead of once per copy: a faster first step with many "
             "micro-batches; the numbers may differ from the copies by float rounding "
-            "(Grappler reassociates arithmetic across a call's boundary differently). Not "
-            "for tf.function steps."),
+            "(Grappler reassociates arithmetic across a call's boundary differently). Off: "
+            "the copies run. Not for tf.function steps."),
     # gradient_checkpoint
     KeySpec("gradient_checkpoint.type", "str", "",
             "How checkpoint tensors are chosen: '' (off), 'collection' "

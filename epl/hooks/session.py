@@ -473,8 +473,9 @@ def _redirect_feeds(result: ParallelGraph, feed_dict: dict) -> dict:
                         "computes it inside a unit function (epl/passes/unit_functions.py: "
                         "each micro-batch's and replica's work as one function call), which "
                         "a feed does not enter. Feed a placeholder (tf.compat.v1.placeholder "
-                        "or placeholder_with_default) instead of a computed tensor, or leave "
-                        "pipeline.unit_functions off.")
+                        "or placeholder_with_default) instead of a computed tensor, or set "
+                        "pipeline.unit_functions to False (the copies run, and a feed "
+                        "reaches them).")
                 redirected.setdefault(copy, value)
         else:
             redirected.update(redirect.feeds(value))

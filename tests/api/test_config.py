@@ -16,7 +16,7 @@ EXPECTED_DEFAULTS = {
     "pipeline.num_micro_batch": 1,
     "pipeline.num_stages": None,
     "pipeline.strategy": "PreferBackward",
-    "pipeline.unit_functions": False,
+    "pipeline.unit_functions": True,
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,
@@ -120,7 +120,7 @@ def test_dotted_dict_input_and_access() -> None:
     assert config.to_dict()["pipeline.num_micro_batch"] == 4
     assert config.pipeline.to_dict() == {
         "num_micro_batch": 4, "num_stages": None, "strategy": "PreferBackward",
-        "unit_functions": False}
+        "unit_functions": True}
     assert isinstance(config.pipeline, ConfigSection)
 
 

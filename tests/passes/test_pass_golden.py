@@ -205,7 +205,8 @@ def test_a_pass_that_is_off_changes_nothing(epl_env):
     its dump entry says why (its `off_note`)."""
     ctx = run_pipeline(epl_env, {"cluster.virtual_devices": 2})
     assert ctx.passes_off == ["auto_stages", "amp", "recompute", "accumulate", "unscale", "zero",
-                              "apply_groups", "skip_on_overflow", "offload", "unit_functions"]
+                              "apply_groups", "skip_on_overflow", "offload"]
+    assert "unit_functions" in ctx.passes_run   # on by default (pipeline.unit_functions)
     assert "zero" not in ctx.passes_run and ctx.find(ZeroSharding) is None
 
 

@@ -7,8 +7,12 @@
   copies, read back from the graph alone (op attributes and the barriers'
   control edges), is the table's; all of a step's work precedes the next
   step's; the graph stays acyclic; the dump shows the table and the stage
-  boundaries; activations cross devices through TensorFlow's send/receive;
-  and at run time each stage really runs its steps in the table's order.
+  boundaries. These read the schedule pass's lowering onto the copies, so they
+  run with `pipeline.unit_functions` off (on, the unit_functions pass moves the
+  barriers' edges onto the calls that replace the copies).
+- At run time, with the copies and with the calls (the default): activations
+  cross devices through TensorFlow's send/receive, and each stage really runs
+  its steps in the table's order.
 """
 from __future__ import annotations
 
@@ -106,7 +110,8 @@ CASES = [
 def test_control_edges_follow_the_table(stages, micro, strategy, devices):
     graph, built, result = _parallelize(
         {"cluster.virtual_devices": devices, "pipeline.num_micro_batch": micro,
-         "pipeline.strategy": strategy}, layers=max(stages, 2), stages=stages, batch=12)
+         "pipeline.strategy": strategy, "pipeline.unit_functions": False},
+        layers=max(stages, 2), stages=stages, batch=12)
     replicas = result.plan.num_replicas
     assert replicas == devices // stages
     index = {tg.name: tg.index for tg in result.view.taskgraphs}
@@ -183,21 +188,32 @@ def _run_one_step(graph, built):
     return metadata
 
 
-def test_send_receive_and_run_time_order():
-    """Stage boundaries are TensorFlow _Send/_Recv pairs, and the executor runs
-    each stage's steps in the table's order (from the step's timeline)."""
+@pytest.mark.parametrize("unit_functions", [False, True], ids=["copies", "calls"])
+def test_send_receive_and_run_time_order(unit_functions):
+    """Stage boundaries are TensorFlow _Send/_Recv pairs (every micro-batch's forward
+    on stage 0 sends to stage 1), and the executor runs each stage's steps in the
+    table's order (from the step's timeline: the copies' ops, or the calls)."""
     graph, built, result = _parallelize({"cluster.virtual_devices": 2,
-                                         "pipeline.num_micro_batch": 4},
+                                         "pipeline.num_micro_batch": 4,
+                                         "pipeline.unit_functions": unit_functions},
                                         layers=2, stages=2)
     metadata = _run_one_step(graph, built)
-    receives = [node for partition in metadata.partition_graphs for node in partition.node
-                if node.op == "_Recv" and node.attr["send_device"].s.decode().endswith("CPU:0")
-                and node.attr["recv_device"].s.decode().endswith("CPU:1")]
-    for m in range(4):
-        assert any(f"EPL_MICRO_BATCH_{m}/add_" in node.attr["tensor_name"].s.decode()
-                   for node in receives), m
-
     index = {tg.name: tg.index for tg in result.view.taskgraphs}
+    sent = set()
+    for partition in metadata.partition_graphs:
+        for node in partition.node:
+            if node.op == "_Recv" and node.attr["send_device"].s.decode().endswith("CPU:0") \
+                    and node.attr["recv_device"].s.decode().endswith("CPU:1"):
+                # tensor_name: edge_<n>_<the sending op's name>
+                name = node.attr["tensor_name"].s.decode().split("_", 2)[2]
+                try:
+                    sent.add(_step_of(graph.get_operation_by_name(name), index))
+                except KeyError:
+                    continue
+    for m in range(4):
+        assert (0, 0, Step(0, m, FORWARD)) in sent, m
+    if unit_functions:
+        assert any(op.type == "PartitionedCall" for op in graph.get_operations())
     spans = {}
     for device in metadata.step_stats.dev_stats:
         for node in device.node_stats:

@@ -62,9 +62,15 @@ def test_forward_copies_per_replica(models, epl_env, model, replicas):
     template = _template_forward(result.view)
     assert template
     for k in range(replicas):
-        copies = [op for op in graph.get_operations() if _replica(op) == k
-                  and _phase(op) == "forward" and op.type not in VARIABLE_TYPES]
+        forward = [op for op in graph.get_operations() if _replica(op) == k
+                   and _phase(op) == "forward" and op.type not in VARIABLE_TYPES]
+        # the copies, and the unit_functions pass's call that runs them (on by default;
+        # with one unit, nothing to share: no call)
+        copies = [op for op in forward if op.type != "PartitionedCall"]
+        calls = [op for op in forward if op.type == "PartitionedCall"]
         assert len(copies) == len(template), f"replica {k}"
+        assert len(calls) == (replicas > 1)
+        assert all(call.device == f"/device:CPU:{k}" for call in calls)
         assert {op.device for op in copies} == {f"/device:CPU:{k}"}
         assert all(op.name.startswith(f"EPL_REPLICA_{k}/") for op in copies)
         backward = [op for op in graph.get_operations()

@@ -1,8 +1,8 @@
 """The unit_functions pass: each unit's stage work as one call of a shared function.
 
 - The oracle: training with the pass gives, bit for bit, the variables and losses
-  of training without it (`pipeline.unit_functions` off, the default: the
-  copies run), for the pipelined encoder of test_pipeline.py (stages, micro-
+  of training without it (`pipeline.unit_functions` off: the copies run; on
+  is the default), for the pipelined encoder of test_pipeline.py (stages, micro-
   batches, both schedules, Adam) and for a data-parallel TF1 model with dropout
   (a stateful random op, which stays outside the functions).
 - The structure: the training step runs one call per (unit, stage, phase), the
@@ -27,6 +27,7 @@ from epl.passes import unit_functions
 from test_pipeline import train_encoder
 
 ON = {"pipeline.unit_functions": True}
+OFF = {"pipeline.unit_functions": False}
 
 
 def _assert_identical(result, reference):
@@ -41,7 +42,7 @@ def _assert_identical(result, reference):
 def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     config = {"cluster.virtual_devices": stages, "pipeline.num_micro_batch": micro,
               "pipeline.strategy": strategy, "debug.check_invariants": True}
-    epl_env(config)
+    epl_env({**config, **OFF})
     copies = train_encoder(layers=stages, stages=stages, optimizer="adam")
     epl_env({**config, **ON})
     calls = train_encoder(layers=stages, stages=stages, optimizer="adam")
@@ -104,7 +105,7 @@ def _dropout_run(config: dict | None, steps: int = 3, inputs: str = "placeholder
 def test_dropout_stays_outside_and_replicas_train_exactly_as_the_copies(inputs):
     layout = {"cluster.virtual_devices": 2, "debug.check_invariants": True}
     with_calls = _dropout_run({**layout, **ON}, inputs=inputs)
-    with_copies = _dropout_run(layout, inputs=inputs)
+    with_copies = _dropout_run({**layout, **OFF}, inputs=inputs)
     assert with_calls[0] == with_copies[0]
     for a, b in zip(with_calls[1], with_copies[1]):
         np.testing.assert_array_equal(a, b)
@@ -133,7 +134,8 @@ def test_a_feed_of_a_tensor_inside_a_function_is_refused():
                 "unit function (epl/passes/unit_functions.py: each micro-batch's and replica's "
                 "work as one function call), which a feed does not enter. Feed a placeholder "
                 "(tf.compat.v1.placeholder or placeholder_with_default) instead of a computed "
-                "tensor, or leave pipeline.unit_functions off.")
+                "tensor, or set pipeline.unit_functions to False (the copies run, and a feed "
+                "reaches them).")
             sess.run(train_op, {x: np.ones([4, 3], np.float32)})   # a plain step still runs
     env.reset()
 

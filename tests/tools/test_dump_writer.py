@@ -91,10 +91,13 @@ def test_pipeline_dumps_equal_the_full_graph_after_every_pass(epl_env, tmp_path,
         _pipeline()
         epl.parallelize(graph)
     dumps = read_dump(dump_dir)
-    assert len(compared) == len(dumps) and not any(whole for whole, _ in compared)
+    # re-serialized op by op until the last pass, unit_functions (on by default), adds
+    # its PartitionedCalls: from then on the graph is serialized whole (AUTODIFF_REWRITTEN)
+    assert len(compared) == len(dumps) and not any(whole for whole, _ in compared[:-1])
+    assert compared[-1][0]
     changed = [d.pass_name for d in dumps if not d.unchanged]
     assert changed[:3] == ["input", "annotate", "replicate"] and "schedule" in changed
-    assert [d.pass_name for d in dumps if d.unchanged] and dumps[-1].pass_name == "unit_functions"
+    assert [d.pass_name for d in dumps if d.unchanged] and changed[-1] == "unit_functions"
     final = load_graph_def(dumps[-1].graph_path)
     assert len(final.node) == len(graph.get_operations())
     elided = [n for n in final.node if "_epl_dump_elided" in n.attr]
