@@ -32,8 +32,6 @@ def main(argv=None) -> dict:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
     import numpy as np
-    import tensorflow as tf
-    from tensorflow.core.protobuf import rewriter_config_pb2
 
     import conftest   # the oracle's models and training loop
     import epl
@@ -47,16 +45,14 @@ def main(argv=None) -> dict:
         return max(float(np.max(np.abs(result.variables[name] - value)))
                    for name, value in reference.variables.items())
 
-    unordered = tf.compat.v1.ConfigProto()
-    unordered.graph_options.rewrite_options.arithmetic_optimization = \
-        rewriter_config_pb2.RewriterConfig.OFF
     found = {}
     env.reset()
     found["floor: loss as the mean of two halves"] = difference(
         conftest.train(args.steps, units=1, chunks=2, **kwargs))
     env.reset()
     found["floor: arithmetic optimizer off"] = difference(
-        conftest.train(args.steps, units=1, session_config=unordered, **kwargs))
+        conftest.train(args.steps, units=1, session_config=conftest.arithmetic_optimizer_off(),
+                       **kwargs))
     for calls in (True, False):
         env.reset()
         epl.init(epl.Config({"cluster.virtual_devices": len(args.weights),

@@ -20,6 +20,7 @@ from epl import env
 from epl.hooks.session import parallel_graph
 
 import bert_like
+from conftest import ATOL, NOISE_FACTOR, RTOL   # the oracle's tolerance rule
 
 VOCAB, SEQ, WIDTH, CLASSES, B, STEPS = 16, 4, 6, 3, 4, 3
 RNG = np.random.RandomState(11)
@@ -41,7 +42,6 @@ OPTIONS = {
 # differently, and Adam amplifies it near its epsilon: 8e-6 in hidden/bias on an AVX2
 # EPYC, where a fixed atol of 1e-6 failed).
 LOOSE = {"fp16": dict(rtol=2e-3, atol=2e-4), "amp": dict(rtol=2e-2, atol=2e-3)}
-RTOL, ATOL, NOISE_FACTOR = 1e-5, 1e-6, 10.0
 
 
 def _model(ids, labels):
