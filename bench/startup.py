@@ -209,6 +209,9 @@ def run_child(spec: dict) -> None:
         rewrite_s = 0.0
     _emit(phase="rewrite", rewrite_s=rewrite_s, ops_out=len(graph.get_operations()),
           step_ops=_step_ops(graph, train_op))
+    if use_epl:   # each pass's own time (PassContext.timings), for the per-pass table
+        _emit(phase="rewrite", **{PASS_PREFIX + name: seconds
+                                  for name, seconds in result.timings.items()})
 
     _emit(phase="first", start=time.time())
     start = time.perf_counter()
@@ -251,6 +254,9 @@ def _step_ops(graph, train_op) -> int:
 
 
 # -- the parent: run the children, collect, print -------------------------------------------
+
+# a figure named PASS_PREFIX + pass name is that pass's seconds in EPL's rewrite
+PASS_PREFIX = "pass:"
 
 # measured figure -> the phase whose start bounds it when the child was killed
 PHASE_OF = {"build_s": "build", "rewrite_s": "rewrite", "first_s": "first", "steady_s": "steady"}
@@ -339,6 +345,34 @@ def ratio(num, den, digits: int = 2) -> str:
     return fmt((num[0] / den[0], num[1]), digits)
 
 
+def print_pass_table(configs, runs, summary, format_table) -> None:
+    """Per-pass time per output op (microseconds per op of the rewritten graph) of each EPL
+    configuration that finished its rewrite: a pass whose figure grows with M grows faster
+    than the graph it writes (issue 29, item 1). Passes that took under 1 ms everywhere
+    are left out."""
+    done = [(label, summary[(label, "epl")]) for label, _ in configs
+            if summary[(label, "epl")] is not None
+            and (summary[(label, "epl")].get("ops_out") or (0, False))[1]]
+    names = []   # in the order the passes ran (the order the child emitted them)
+    for run in (run for label, _ in done for run in runs[(label, "epl")]):
+        names += [key[len(PASS_PREFIX):] for key in run["figures"]
+                  if key.startswith(PASS_PREFIX) and key[len(PASS_PREFIX):] not in names]
+    names = [name for name in names
+             if any(s.get(PASS_PREFIX + name, (0.0,))[0] >= 1e-3 for _, s in done)]
+    if not names:
+        return
+    rows = []
+    for label, s in done:
+        ops_out = s["ops_out"][0]
+        rows.append([label, fmt((ops_out, True), 0)] + [
+            fmt((1e6 * s[PASS_PREFIX + name][0] / ops_out, True), 1)
+            if PASS_PREFIX + name in s else "-" for name in names]
+            + [fmt((1e6 * s["rewrite_s"][0] / ops_out, True), 1)])
+    print("startup: per-pass time per output op, microseconds (a column that grows with M "
+          "grows faster than the graph the rewrite writes)")
+    print(format_table(["config", "ops out"] + names + ["rewrite"], rows))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.child:
@@ -423,6 +457,7 @@ def main(argv=None) -> dict:
                          fmt(total_first), fmt(get("steady_s"), 3), fmt(get("peak_rss_mb"), 0)])
     print(format_table(["config", "side", "ops in", "ops out", "out/in", "step ops", "build s", "rewrite s",
                         "first step s", "rewrite+first s", "steady s", "peak RSS MB"], rows))
+    print_pass_table(configs, runs, summary, format_table)
     for label, why in skipped.items():
         if not runs[(label, "epl")]:
             print(f"startup: {label} epl skipped: {why} (--run-all runs it)")

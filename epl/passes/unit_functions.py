@@ -24,13 +24,25 @@ distinct piece of work instead:
 - the function is marked `_noinline`, or Grappler's function optimizer would
   inline every call again at the first step.
 
+What a body holds besides the group's stateless ops:
+- the group's reads of resource variables on the call's device (`variable_read`:
+  a read's only effect is its value, and a call reads no earlier than the copy;
+  a variable the offload pass put on the host is read there, outside). Such a
+  body is called with `StatefulPartitionedCall`, as tf.function calls one;
+- the accumulate pass's adds of the unit's gradients into the running sums
+  (`unit_groups`): the backward call takes the sums so far and returns them.
+  Both were per-unit graph ops before, one per variable and unit each: at 12
+  layers and 16 micro-batches 3,184 reads and 2,985 adds of a step's 10,542
+  graph ops (bench/startup.py's model); now 3,939 graph ops remain.
+
 What stays outside the function, as the copies are today (so they compute
 exactly what they compute without this pass):
-- stateful ops (variable reads, random ops, assignments, collectives, the
-  input pipeline): a function call runs its body once per call, but a stateful
-  op's effect and order belong to the graph; they and the ops of the group they
-  depend on stay per-unit ops (a group's ops that a stateful op of the same
-  group reads stay outside, so the call never feeds an op that feeds it);
+- other stateful ops (random ops, assignments, collectives, the input
+  pipeline, an embedding's gather): a function call runs its body once per
+  call, but a stateful op's effect and order belong to the graph; they and the
+  ops of the group they depend on stay per-unit ops (a group's ops that a
+  stateful op of the same group reads stay outside, so the call never feeds an
+  op that feeds it);
 - ops with a resource, variant or reference-typed input or output, ops that
   run functions of their own (v2 control flow), placeholders and ops computed
   from constants alone (the session may feed them: a scale, a keep
@@ -82,9 +94,14 @@ from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
 from epl.ir.graph_view import TrainingView, output_args, predecessors, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.offload import Offloaded
+from epl.passes.pipeline.accumulate import Accumulation
 from epl.passes.replication.result import Replication
 
 NOINLINE_ATTR = "_noinline"
+# a body that reads variables is called with StatefulPartitionedCall (as tf.function
+# calls one): Grappler then neither prunes nor merges its calls as pure computations
+CALL_TYPES = ("PartitionedCall", "StatefulPartitionedCall")
 _UNSAFE_DTYPES = (tf.resource, tf.variant)
 _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"))
 
@@ -110,6 +127,9 @@ class UnitFunctionsPass(GraphPass):
     name = "unit_functions"
     off_note = "pipeline.unit_functions is off: the copies run"
     requires = (TrainingView, Replication)
+    # each micro-batch's gradient adds join its backward; offloaded variables are read
+    # on the host, outside the calls
+    optional = (Accumulation, Offloaded)
     provides = (UnitFunctions,)
     after = ("verify",)   # the invariants are checked on the copies, op by op
 
@@ -119,7 +139,10 @@ class UnitFunctionsPass(GraphPass):
             ctx.provide(UnitFunctions([], [], frozenset(), []))
             return PassResult(notes=["one unit: nothing to share"], modified=False)
         split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
-        built = outline(graph, unit_groups(replication, split))
+        accumulation, offloaded = ctx.find(Accumulation), ctx.find(Offloaded)
+        built = outline(graph, unit_groups(replication, split,
+                                           accumulation.ops if accumulation else None),
+                        offloaded.variables if offloaded else frozenset())
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
@@ -133,7 +156,7 @@ def body_nodes(ops) -> list:
     """The NodeDefs of every unit function that a call among `ops` runs, once per
     function (what a step computes inside its calls, for readers that look at the
     ops a step runs)."""
-    names = {op.get_attr("f").name: op.graph for op in ops if op.type == "PartitionedCall"}
+    names = {op.get_attr("f").name: op.graph for op in ops if op.type in CALL_TYPES}
     nodes = []
     for name, graph in sorted(names.items(), key=lambda item: item[0]):
         function = graph._get_function(name)
@@ -142,10 +165,19 @@ def body_nodes(ops) -> list:
     return nodes
 
 
-def unit_groups(replication: Replication, split_taskgraphs: set) -> list:
+def unit_groups(replication: Replication, split_taskgraphs: set,
+                accumulation: dict | None = None) -> list:
     """[(unit, phase, device, ops)]: each unit's forward copies and its backward ops,
     cut by TaskGraph (a pipeline stage), in the replicate pass's order (the
     template's for every unit, so equal groups list their ops alike).
+
+    `accumulation` (the accumulate pass's `Accumulation.ops`: unit -> the adds of
+    that micro-batch's gradients into the running sums) joins each unit's backward:
+    the call then takes the sums so far and returns them with its gradients added,
+    and the adds (one per variable and micro-batch, as many as the model's
+    variables times M) are nodes of the shared body instead of ops of the graph.
+    Micro-batch 0 adds nothing and the last one also scales the sums, so a stage's
+    backward is three functions (first, middle, last micro-batch) whatever M is.
 
     The device of a group is the one most of its ops are on; its call runs the others
     there too. Why by TaskGraph and not by device: TensorFlow's autodiff puts some
@@ -156,8 +188,10 @@ def unit_groups(replication: Replication, split_taskgraphs: set) -> list:
     computes its own shard."""
     groups = []
     for unit in replication.units():
+        backward = list(replication.backward_ops.get(unit, []))
+        backward += (accumulation or {}).get(unit, [])
         for phase, ops in (("forward", list(replication.forward_copies[unit].values())),
-                           ("backward", list(replication.backward_ops.get(unit, [])))):
+                           ("backward", backward)):
             by_key: dict = {}
             for op in ops:
                 if not op.device:
@@ -192,8 +226,28 @@ def function_safe(op: tf.Operation) -> bool:
     return True
 
 
-def _members(ops: list, deps: dict) -> list:
-    """The ops of one group a function can hold: the function-safe ones, less those
+def variable_read(op: tf.Operation, device: str, host_variables: frozenset) -> bool:
+    """Whether `op` is a read of a resource variable on `device` (the group's: its call
+    runs there), which a body computes as the copy does. A variable the offload pass
+    put in host memory (`host_variables`) is read on the host: its read stays a graph
+    op, and the call gets the value.
+
+    A read is stateful, but its effect is only its value, and the call makes it no
+    earlier than the copy would run: a call starts once all of its inputs and
+    control inputs are there, which includes everything the copy waited for (the
+    schedule's edges among them). Nothing in a step writes a trained variable before
+    the update, which reads the gradient that every unit's reads feed; a variable a
+    unit writes itself (a batch-norm moving average) is read by the assignment's
+    inputs, which `_members` keeps outside with what they read. Before this, each
+    unit's reads stayed graph ops: one per variable per unit, 3,184 of the 10,542
+    graph ops of a step at 12 layers and 16 micro-batches (bench/startup.py's model)."""
+    return op.type == "ReadVariableOp" and op.device == device and \
+        op.inputs[0].dtype == tf.resource and op.inputs[0].op not in host_variables
+
+
+def _members(ops: list, deps: dict, device: str, host_variables: frozenset) -> list:
+    """The ops of one group a function can hold: the function-safe ones and the
+    variable reads on the group's device (`variable_read`), less those
     computed from constants alone (a scale or a keep probability the script may feed:
     a feed reaches what stays outside) and those a kept op of the group reads
     (directly or through other members), so the call never feeds an op that feeds
@@ -205,7 +259,8 @@ def _members(ops: list, deps: dict) -> list:
         if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
                 not any(c in own for c in op.control_inputs):
             constant.add(op)
-    safe = [op for op in ops if op not in constant and function_safe(op)]
+    safe = [op for op in ops if op not in constant
+            and (function_safe(op) or variable_read(op, device, host_variables))]
     inside = set(safe)
     read = [dep for op in ops if op not in inside for dep in deps[op] if dep in inside]
     out = _closure(read, inside, deps)
@@ -226,12 +281,14 @@ def _closure(ops: list, inside: set, neighbours: dict) -> set:
     return found
 
 
-def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
-    """Replace every group that can be one call by a call of its function."""
+def outline(graph: tf.Graph, groups: list, host_variables: frozenset = frozenset()
+            ) -> UnitFunctions:
+    """Replace every group that can be one call by a call of its function
+    (`host_variables`: the variable ops the offload pass put on the host)."""
     deps = predecessors(graph)
     members = {}
-    for index, (_, _, _, ops) in enumerate(groups):
-        chosen = _members(ops, deps)
+    for index, (_, _, device, ops) in enumerate(groups):
+        chosen = _members(ops, deps, device, host_variables)
         if len(chosen) > 1:
             members[index] = chosen
     kept = []
@@ -286,6 +343,7 @@ class _Body:
         self._constants: dict = {}       # constant tensor -> its node name
         self.controls: list = []         # external ops some member waits for
         self.outputs: list = []          # member tensors read outside the group
+        self.reads_variables = any(op.type == "ReadVariableOp" for op in self.ops)
         self._given: set = set()
 
     def give(self, tensor: tf.Tensor) -> None:
@@ -312,14 +370,19 @@ class _Body:
                 elif control not in controls:
                     controls.add(control)
                     self.controls.append(control)
+        variables = {op.inputs[0]: op for op in self.ops if op.type == "ReadVariableOp"}
         for i, tensor in enumerate(self.inputs):
             arg = fdef.signature.input_arg.add()
             arg.name, arg.type = f"a{i}", tensor.dtype.as_datatype_enum
             # the argument's static shape, as the graph knows it: Grappler's rewrites
             # that depend on shapes (the remapper's fused MatMul + bias add) then rewrite
             # the body as they rewrite the copies
-            fdef.arg_attr[i].attr["_output_shapes"].list.shape.add().CopyFrom(
-                tensor.shape.as_proto())
+            attrs = fdef.arg_attr[i].attr
+            attrs["_output_shapes"].list.shape.add().CopyFrom(tensor.shape.as_proto())
+            read = variables.get(tensor)
+            if read is not None:   # a variable's handle: the dtype and shape of its value
+                attrs["_handle_dtypes"].list.type.append(read.get_attr("dtype").as_datatype_enum)
+                attrs["_handle_shapes"].list.shape.add().CopyFrom(read.outputs[0].shape.as_proto())
         for i, tensor in enumerate(self.outputs):
             out = fdef.signature.output_arg.add()
             out.name, out.type = f"o{i}", tensor.dtype.as_datatype_enum
@@ -361,16 +424,22 @@ def _output_name(op: tf.Operation, node: str, index: int) -> str:
 
 class LibraryFunction:
     """A library function given as a FunctionDef, as `tf.Graph._add_function` takes
-    one (its `name` and C function; `cached_definition` as TensorFlow's own function
-    objects have it). Registering through a FuncGraph instead would rebuild the proto
-    and drop its `_noinline` attribute. It has no `graph`: `Graph.as_graph_def`
-    (add_shapes) then leaves its argument shapes alone."""
+    one (its `name` and C function; `cached_definition` and `definition` as
+    TensorFlow's own function objects have them). Registering through a FuncGraph
+    instead would rebuild the proto and drop its `_noinline` attribute. It has no
+    `graph`: `Graph.as_graph_def` (add_shapes) then leaves its argument shapes alone."""
 
     def __init__(self, definition: function_pb2.FunctionDef):
         self.name = definition.signature.name
         self.cached_definition = definition
         self._c_func = c_api_util.ScopedTFFunction(
             c_api.TF_FunctionImportFunctionDef(definition.SerializeToString()), self.name)
+
+    @property
+    def definition(self) -> function_pb2.FunctionDef:
+        """The FunctionDef (what epl/runtime/variable_access.py reads to see that a
+        body only reads the variables it is given)."""
+        return self.cached_definition
 
 
 def _register(graph: tf.Graph, definition: function_pb2.FunctionDef) -> None:
@@ -388,7 +457,7 @@ def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: st
     with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
             tf.device(None), graph.colocate_with(None, ignore_existing=True):
         call = graph.create_op(
-            "PartitionedCall", inputs, [t.dtype for t in body.outputs],
+            CALL_TYPES[body.reads_variables], inputs, [t.dtype for t in body.outputs],
             attrs={"f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name)),
                    "Tin": _types(body.inputs), "Tout": _types(body.outputs),
                    "config_proto": _BODY_CONFIG},
