@@ -248,23 +248,8 @@ class ParallelGraph:
         micro-batches, 87,663 ops, 32 of the first step's 39 s (bench/startup.py,
         with and without --no-grappler). The second round changed little there (it
         merged 1,151 duplicate nodes) and cost about 9 s; with one round the first
-        step took 30 s and the steady step did not change.
-
-        It also places only what a run needs (`place_pruned_graph`). By default a
-        session places the whole graph at its first run and copies the placed graph
-        for every new set of fetches; the rewritten graph keeps every unit's copies,
-        unread where a unit function's call does their work (epl/passes/
-        unit_functions.py: TensorFlow's graph API removes no op), so that placed and
-        copied 55,760 ops where a training step runs 7,123 (12 layers, 16
-        micro-batches, before the unit functions read the variables themselves).
-        Placing each run's pruned graph cut the initializer's run from 6.8 s to
-        1.4 s and the first step from 14.8 s to 6.4 s there (one run each, a loaded
-        2-core machine). TensorFlow
-        keeps a stateful op (a variable, an iterator) on the device its first run
-        placed it on for every later run (GraphExecutionState's stateful
-        placements)."""
+        step took 30 s and the steady step did not change."""
         config = self.cluster.session_config(base)
-        config.graph_options.place_pruned_graph = True
         rewrite = config.graph_options.rewrite_options
         if rewrite.meta_optimizer_iterations == rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS:
             rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE

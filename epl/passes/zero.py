@@ -72,6 +72,7 @@ from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.replication.result import Replication
 from epl.passes.zero_region import Region, find_region, shard_region
 from epl.planner.plan import Plan
+from epl.runtime.variable_access import writes_variable
 
 SCOPE = "EPL_ZERO"
 
@@ -143,7 +144,8 @@ def optimizer_state_bytes(graph: tf.Graph, train_ops) -> dict[str, int]:
     state: set[tf.Operation] = set()
     for op in step:
         handles = _handle_inputs(op)
-        if handles and handles[0][0] == 0 and op.type not in ("ReadVariableOp", "ResourceGather"):
+        # (a unit function's call takes the handles its body reads: it writes none)
+        if handles and handles[0][0] == 0 and writes_variable(op, 0):
             state.update(var for _, var in handles[1:])
     totals: dict[str, int] = {}
     for var in state:
