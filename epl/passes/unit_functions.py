@@ -24,25 +24,24 @@ distinct piece of work instead:
 - the function is marked `_noinline`, or Grappler's function optimizer would
   inline every call again at the first step.
 
-What a body holds besides the group's stateless ops:
-- the group's reads of resource variables on the call's device (`variable_read`:
-  a read's only effect is its value, and a call reads no earlier than the copy;
-  a variable the offload pass put on the host is read there, outside). Such a
-  body is called with `StatefulPartitionedCall`, as tf.function calls one;
-- the accumulate pass's adds of the unit's gradients into the running sums
-  (`unit_groups`): the backward call takes the sums so far and returns them.
-  Both were per-unit graph ops before, one per variable and unit each: at 12
-  layers and 16 micro-batches 3,184 reads and 2,985 adds of a step's 10,542
-  graph ops (bench/startup.py's model); now 3,939 graph ops remain.
+A backward body also holds the accumulate pass's adds of the unit's gradients
+into the running sums (`unit_groups`): the call takes the sums so far and returns
+them. They were per-unit graph ops before, one per variable and micro-batch: at 12
+layers and 16 micro-batches 2,985 of a step's 10,542 graph ops (bench/startup.py's
+model); 7,123 remain.
 
 What stays outside the function, as the copies are today (so they compute
 exactly what they compute without this pass):
-- other stateful ops (random ops, assignments, collectives, the input
-  pipeline, an embedding's gather): a function call runs its body once per
-  call, but a stateful op's effect and order belong to the graph; they and the
-  ops of the group they depend on stay per-unit ops (a group's ops that a
-  stateful op of the same group reads stay outside, so the call never feeds an
-  op that feeds it);
+- stateful ops (variable reads, random ops, assignments, collectives, the
+  input pipeline): a function call runs its body once per call, but a stateful
+  op's effect and order belong to the graph; they and the ops of the group they
+  depend on stay per-unit ops (a group's ops that a stateful op of the same
+  group reads stay outside, so the call never feeds an op that feeds it). The
+  variable reads were tried inside the bodies (3,184 more ops of that step):
+  the calls trained as the copies, but a read of an uninitialized variable
+  inside a call then failed the step with TensorFlow's "RecvAsync is cancelled"
+  (CancelledError) instead of naming the variable, as
+  tests/runtime/test_run_errors.py requires;
 - ops with a resource, variant or reference-typed input or output, ops that
   run functions of their own (v2 control flow), placeholders and ops computed
   from constants alone (the session may feed them: a scale, a keep
@@ -94,14 +93,10 @@ from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
 from epl.ir.graph_view import TrainingView, output_args, predecessors, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
-from epl.passes.offload import Offloaded
 from epl.passes.pipeline.accumulate import Accumulation
 from epl.passes.replication.result import Replication
 
 NOINLINE_ATTR = "_noinline"
-# a body that reads variables is called with StatefulPartitionedCall (as tf.function
-# calls one): Grappler then neither prunes nor merges its calls as pure computations
-CALL_TYPES = ("PartitionedCall", "StatefulPartitionedCall")
 _UNSAFE_DTYPES = (tf.resource, tf.variant)
 _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"))
 
@@ -127,9 +122,7 @@ class UnitFunctionsPass(GraphPass):
     name = "unit_functions"
     off_note = "pipeline.unit_functions is off: the copies run"
     requires = (TrainingView, Replication)
-    # each micro-batch's gradient adds join its backward; offloaded variables are read
-    # on the host, outside the calls
-    optional = (Accumulation, Offloaded)
+    optional = (Accumulation,)   # each micro-batch's gradient adds join its backward
     provides = (UnitFunctions,)
     after = ("verify",)   # the invariants are checked on the copies, op by op
 
@@ -139,10 +132,9 @@ class UnitFunctionsPass(GraphPass):
             ctx.provide(UnitFunctions([], [], frozenset(), []))
             return PassResult(notes=["one unit: nothing to share"], modified=False)
         split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
-        accumulation, offloaded = ctx.find(Accumulation), ctx.find(Offloaded)
+        accumulation = ctx.find(Accumulation)
         built = outline(graph, unit_groups(replication, split,
-                                           accumulation.ops if accumulation else None),
-                        offloaded.variables if offloaded else frozenset())
+                                           accumulation.ops if accumulation else None))
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
@@ -156,7 +148,7 @@ def body_nodes(ops) -> list:
     """The NodeDefs of every unit function that a call among `ops` runs, once per
     function (what a step computes inside its calls, for readers that look at the
     ops a step runs)."""
-    names = {op.get_attr("f").name: op.graph for op in ops if op.type in CALL_TYPES}
+    names = {op.get_attr("f").name: op.graph for op in ops if op.type == "PartitionedCall"}
     nodes = []
     for name, graph in sorted(names.items(), key=lambda item: item[0]):
         function = graph._get_function(name)
@@ -226,28 +218,8 @@ def function_safe(op: tf.Operation) -> bool:
     return True
 
 
-def variable_read(op: tf.Operation, device: str, host_variables: frozenset) -> bool:
-    """Whether `op` is a read of a resource variable on `device` (the group's: its call
-    runs there), which a body computes as the copy does. A variable the offload pass
-    put in host memory (`host_variables`) is read on the host: its read stays a graph
-    op, and the call gets the value.
-
-    A read is stateful, but its effect is only its value, and the call makes it no
-    earlier than the copy would run: a call starts once all of its inputs and
-    control inputs are there, which includes everything the copy waited for (the
-    schedule's edges among them). Nothing in a step writes a trained variable before
-    the update, which reads the gradient that every unit's reads feed; a variable a
-    unit writes itself (a batch-norm moving average) is read by the assignment's
-    inputs, which `_members` keeps outside with what they read. Before this, each
-    unit's reads stayed graph ops: one per variable per unit, 3,184 of the 10,542
-    graph ops of a step at 12 layers and 16 micro-batches (bench/startup.py's model)."""
-    return op.type == "ReadVariableOp" and op.device == device and \
-        op.inputs[0].dtype == tf.resource and op.inputs[0].op not in host_variables
-
-
-def _members(ops: list, deps: dict, device: str, host_variables: frozenset) -> list:
-    """The ops of one group a function can hold: the function-safe ones and the
-    variable reads on the group's device (`variable_read`), less those
+def _members(ops: list, deps: dict) -> list:
+    """The ops of one group a function can hold: the function-safe ones, less those
     computed from constants alone (a scale or a keep probability the script may feed:
     a feed reaches what stays outside) and those a kept op of the group reads
     (directly or through other members), so the call never feeds an op that feeds
@@ -259,8 +231,7 @@ def _members(ops: list, deps: dict, device: str, host_variables: frozenset) -> l
         if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
                 not any(c in own for c in op.control_inputs):
             constant.add(op)
-    safe = [op for op in ops if op not in constant
-            and (function_safe(op) or variable_read(op, device, host_variables))]
+    safe = [op for op in ops if op not in constant and function_safe(op)]
     inside = set(safe)
     read = [dep for op in ops if op not in inside for dep in deps[op] if dep in inside]
     out = _closure(read, inside, deps)
@@ -281,14 +252,12 @@ def _closure(ops: list, inside: set, neighbours: dict) -> set:
     return found
 
 
-def outline(graph: tf.Graph, groups: list, host_variables: frozenset = frozenset()
-            ) -> UnitFunctions:
-    """Replace every group that can be one call by a call of its function
-    (`host_variables`: the variable ops the offload pass put on the host)."""
+def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
+    """Replace every group that can be one call by a call of its function."""
     deps = predecessors(graph)
     members = {}
-    for index, (_, _, device, ops) in enumerate(groups):
-        chosen = _members(ops, deps, device, host_variables)
+    for index, (_, _, _, ops) in enumerate(groups):
+        chosen = _members(ops, deps)
         if len(chosen) > 1:
             members[index] = chosen
     kept = []
@@ -343,7 +312,6 @@ class _Body:
         self._constants: dict = {}       # constant tensor -> its node name
         self.controls: list = []         # external ops some member waits for
         self.outputs: list = []          # member tensors read outside the group
-        self.reads_variables = any(op.type == "ReadVariableOp" for op in self.ops)
         self._given: set = set()
 
     def give(self, tensor: tf.Tensor) -> None:
@@ -370,19 +338,14 @@ class _Body:
                 elif control not in controls:
                     controls.add(control)
                     self.controls.append(control)
-        variables = {op.inputs[0]: op for op in self.ops if op.type == "ReadVariableOp"}
         for i, tensor in enumerate(self.inputs):
             arg = fdef.signature.input_arg.add()
             arg.name, arg.type = f"a{i}", tensor.dtype.as_datatype_enum
             # the argument's static shape, as the graph knows it: Grappler's rewrites
             # that depend on shapes (the remapper's fused MatMul + bias add) then rewrite
             # the body as they rewrite the copies
-            attrs = fdef.arg_attr[i].attr
-            attrs["_output_shapes"].list.shape.add().CopyFrom(tensor.shape.as_proto())
-            read = variables.get(tensor)
-            if read is not None:   # a variable's handle: the dtype and shape of its value
-                attrs["_handle_dtypes"].list.type.append(read.get_attr("dtype").as_datatype_enum)
-                attrs["_handle_shapes"].list.shape.add().CopyFrom(read.outputs[0].shape.as_proto())
+            fdef.arg_attr[i].attr["_output_shapes"].list.shape.add().CopyFrom(
+                tensor.shape.as_proto())
         for i, tensor in enumerate(self.outputs):
             out = fdef.signature.output_arg.add()
             out.name, out.type = f"o{i}", tensor.dtype.as_datatype_enum
@@ -437,8 +400,8 @@ class LibraryFunction:
 
     @property
     def definition(self) -> function_pb2.FunctionDef:
-        """The FunctionDef (what epl/runtime/variable_access.py reads to see that a
-        body only reads the variables it is given)."""
+        """The FunctionDef (what epl/runtime/variable_access.py reads of a body, as of
+        any library function a functional op runs)."""
         return self.cached_definition
 
 
@@ -457,7 +420,7 @@ def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: st
     with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
             tf.device(None), graph.colocate_with(None, ignore_existing=True):
         call = graph.create_op(
-            CALL_TYPES[body.reads_variables], inputs, [t.dtype for t in body.outputs],
+            "PartitionedCall", inputs, [t.dtype for t in body.outputs],
             attrs={"f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name)),
                    "Tin": _types(body.inputs), "Tout": _types(body.outputs),
                    "config_proto": _BODY_CONFIG},
