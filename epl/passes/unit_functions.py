@@ -387,22 +387,16 @@ def _output_name(op: tf.Operation, node: str, index: int) -> str:
 
 class LibraryFunction:
     """A library function given as a FunctionDef, as `tf.Graph._add_function` takes
-    one (its `name` and C function; `cached_definition` and `definition` as
-    TensorFlow's own function objects have them). Registering through a FuncGraph
-    instead would rebuild the proto and drop its `_noinline` attribute. It has no
-    `graph`: `Graph.as_graph_def` (add_shapes) then leaves its argument shapes alone."""
+    one (its `name` and C function; `cached_definition` as TensorFlow's own function
+    objects have it). Registering through a FuncGraph instead would rebuild the proto
+    and drop its `_noinline` attribute. It has no `graph`: `Graph.as_graph_def`
+    (add_shapes) then leaves its argument shapes alone."""
 
     def __init__(self, definition: function_pb2.FunctionDef):
         self.name = definition.signature.name
         self.cached_definition = definition
         self._c_func = c_api_util.ScopedTFFunction(
             c_api.TF_FunctionImportFunctionDef(definition.SerializeToString()), self.name)
-
-    @property
-    def definition(self) -> function_pb2.FunctionDef:
-        """The FunctionDef (what epl/runtime/variable_access.py reads of a body, as of
-        any library function a functional op runs)."""
-        return self.cached_definition
 
 
 def _register(graph: tf.Graph, definition: function_pb2.FunctionDef) -> None:

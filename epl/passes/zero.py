@@ -144,7 +144,7 @@ def optimizer_state_bytes(graph: tf.Graph, train_ops) -> dict[str, int]:
     state: set[tf.Operation] = set()
     for op in step:
         handles = _handle_inputs(op)
-        # (a unit function's call takes the handles its body reads: it writes none)
+        # an update: it writes the handle it takes first (a read or a gather does not)
         if handles and handles[0][0] == 0 and writes_variable(op, 0):
             state.update(var for _, var in handles[1:])
     totals: dict[str, int] = {}

@@ -185,9 +185,11 @@ def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> di
     dtype = tf.compat.v1.AttrValue(type=first.dtype.as_datatype_enum)
     names: dict = {}
 
-    def node(op_type: str, name: str, m: int, inputs: list) -> str:
+    def node(op_type: str, name: str, m: int, inputs: list, **own) -> str:
         new = node_def_pb2.NodeDef(name=batch.new_name(name), op=op_type, device=source.device)
         new.input.extend(inputs)
+        for key, value in own.items():
+            new.attr[key].CopyFrom(value)
         for key in (TASKGRAPH_ATTR, PHASE_ATTR):
             if key in attrs:
                 new.attr[key].CopyFrom(attrs[key])
@@ -198,17 +200,14 @@ def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> di
 
     total = batch.ref(first)
     for m in range(1, len(parts)):
-        add = node("AddV2", "EPL_ACCUMULATE/add", m, [total, batch.ref(parts[m])])
-        batch.nodes[-1].attr["T"].CopyFrom(dtype)
+        add = node("AddV2", "EPL_ACCUMULATE/add", m, [total, batch.ref(parts[m])], T=dtype)
         total = batch.output(add, 0)
     last = len(parts) - 1
     # the scale as tf.cast(scale, dtype) makes it: a float32 constant, cast
     value = np.asarray(np.float32(scale)).astype(first.dtype.as_numpy_dtype)
-    const = node("Const", "EPL_ACCUMULATE/Cast/x", last, [])
-    batch.nodes[-1].attr["dtype"].CopyFrom(dtype)
-    batch.nodes[-1].attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
-    node("Mul", "EPL_ACCUMULATE/mul", last, [total, batch.output(const, 0)])
-    batch.nodes[-1].attr["T"].CopyFrom(dtype)
+    const = node("Const", "EPL_ACCUMULATE/Cast/x", last, [], dtype=dtype,
+                 value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(value)))
+    node("Mul", "EPL_ACCUMULATE/mul", last, [total, batch.output(const, 0)], T=dtype)
     return names
 
 
