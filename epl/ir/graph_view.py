@@ -102,6 +102,11 @@ class TrainingView:
     writes: how each write that reads a per-replica value stays consistent
       (epl/ir/consistency.py); its decisions are applied to the phases, the
       replica ops and the variables above.
+    write_orders: (read, write) pairs: a hand-written update of a variable
+      (`global_step.assign(global_step + 1)` beside a step whose learning rate
+      reads the global step) and a read of it the step runs, built before it, that
+      nothing orders against it. The annotate pass makes each write wait for its
+      reads (`_unordered_reads`).
     tags: op -> OpTags, its attributes as analysis read them (before any pass).
     """
 
@@ -125,6 +130,7 @@ class TrainingView:
     tags: dict = dataclasses.field(default_factory=dict)
     split_records: list = dataclasses.field(default_factory=list)
     writes: WritePlan = dataclasses.field(default_factory=WritePlan)
+    write_orders: list = dataclasses.field(default_factory=list)
 
     def describe_op(self, op: tf.Operation) -> str:
         """One line naming an op for error messages: name, type, shape, TaskGraph, device."""
@@ -507,6 +513,42 @@ def _untagged_updates(phase_of, step_ops, batch_region, tags) -> None:
             phase_of[op] = Phase.APPLY
 
 
+def _unordered_reads(phase_of, step_ops, tags) -> list:
+    """(read, write) for each hand-written update of a variable in the apply phase (one
+    no hooked apply_gradients tagged) and each apply-phase read of that variable the
+    step runs that was built before the write and that nothing orders against it.
+
+    TensorFlow leaves such a pair unordered: in BERT's optimization.py the learning
+    rate decays with a read of the global step, which the script then increments by
+    hand in a `tf.group` beside the optimizer's updates. Single-device TensorFlow
+    runs the read first in practice (it is ready at the step's start; the increment
+    comes two ops later), but a graph placed over several devices or pruned per run
+    may run them in another order, and every update of that step then uses the next
+    step's learning rate. The order a script means is the order it wrote them in,
+    the order tf.function's automatic control dependencies keep: a read built before
+    the write reads the value before it."""
+    writes: dict = {}    # variable op -> its hand-written updates in the step
+    reads: dict = {}     # variable op -> the apply-phase ops that take its handle
+    for op in step_ops:
+        if phase_of.get(op) != Phase.APPLY:
+            continue
+        variable = variable_written(op)
+        if variable is not None and tags[op].phase != Phase.APPLY.value:
+            writes.setdefault(variable, []).append(op)
+        for tensor in op.inputs:
+            if tensor.op.type in VARIABLE_OP_TYPES:
+                reads.setdefault(tensor.op, []).append(op)
+    pairs = []
+    for variable, writers in writes.items():
+        for write in writers:
+            before = ancestors([write])
+            after = descendants(write.outputs, within=step_ops)
+            pairs.extend((read, write) for read in sorted(reads.get(variable, ()),
+                                                          key=lambda op: op._id)
+                         if read._id < write._id and read not in before and read not in after)
+    return pairs
+
+
 def calls_functions(op: tf.Operation) -> bool:
     """True for an op that runs functions of the graph's library (v2 control flow:
     If, While, their stateless forms, Case, PartitionedCall)."""
@@ -723,5 +765,7 @@ def analyze(graph: tf.Graph, record: GraphRecord, taskgraphs: list | None = None
                         replica_ops, batch_inputs, batch, variables, losses, gradients, train_ops,
                         steps, split_tgs, split_ops, split_apply, split_variables, tags,
                         list(record.splits), writes)
+    if any(step.derived_train_op for step in steps):
+        view.write_orders = _unordered_reads(phase_of, step_ops, tags)
     _check_control_flow(replica_ops, view.describe_op, tags)
     return view

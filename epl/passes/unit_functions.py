@@ -28,7 +28,8 @@ A backward body also holds the accumulate pass's adds of the unit's gradients
 into the running sums (`unit_groups`): the call takes the sums so far and returns
 them. They were per-unit graph ops before, one per variable and micro-batch: at 12
 layers and 16 micro-batches 2,985 of a step's 10,542 graph ops (bench/startup.py's
-model); 7,123 remain.
+model); 7,123 remain. The final scaling of the sums (x 1/M) stays outside, so the
+last micro-batch's backward calls the middle ones' function.
 
 What stays outside the function, as the copies are today (so they compute
 exactly what they compute without this pass):
@@ -97,7 +98,8 @@ from epl.passes.pipeline.accumulate import Accumulation
 from epl.passes.replication.result import Replication
 
 NOINLINE_ATTR = "_noinline"
-_UNSAFE_DTYPES = (tf.resource, tf.variant)
+_UNSAFE_DTYPES = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
+_REF_OFFSET = 100   # a reference type's enum is its value type's plus 100 (types.proto)
 _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"))
 
 
@@ -134,7 +136,8 @@ class UnitFunctionsPass(GraphPass):
         split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
         accumulation = ctx.find(Accumulation)
         built = outline(graph, unit_groups(replication, split,
-                                           accumulation.ops if accumulation else None))
+                                           accumulation.ops if accumulation else None,
+                                           accumulation.scaling if accumulation else ()))
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
@@ -158,7 +161,7 @@ def body_nodes(ops) -> list:
 
 
 def unit_groups(replication: Replication, split_taskgraphs: set,
-                accumulation: dict | None = None) -> list:
+                accumulation: dict | None = None, scaling=()) -> list:
     """[(unit, phase, device, ops)]: each unit's forward copies and its backward ops,
     cut by TaskGraph (a pipeline stage), in the replicate pass's order (the
     template's for every unit, so equal groups list their ops alike).
@@ -168,8 +171,11 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     the call then takes the sums so far and returns them with its gradients added,
     and the adds (one per variable and micro-batch, as many as the model's
     variables times M) are nodes of the shared body instead of ops of the graph.
-    Micro-batch 0 adds nothing and the last one also scales the sums, so a stage's
-    backward is three functions (first, middle, last micro-batch) whatever M is.
+    Micro-batch 0 adds nothing, so a stage's backward is two functions (the first
+    micro-batch's, every other's) whatever M is. The final scaling of the sums (the
+    accumulate pass's `scaling`, the last micro-batch's work) stays a graph op: in
+    the body it made the last micro-batch's backward a third function, one more
+    copy of the stage's backward in what the first step optimizes.
 
     The device of a group is the one most of its ops are on; its call runs the others
     there too. Why by TaskGraph and not by device: TensorFlow's autodiff puts some
@@ -181,7 +187,7 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     groups = []
     for unit in replication.units():
         backward = list(replication.backward_ops.get(unit, []))
-        backward += (accumulation or {}).get(unit, [])
+        backward += [op for op in (accumulation or {}).get(unit, []) if op not in scaling]
         for phase, ops in (("forward", list(replication.forward_copies[unit].values())),
                            ("backward", backward)):
             by_key: dict = {}
@@ -205,20 +211,27 @@ def _taskgraph(op: tf.Operation) -> str | None:
         return None
 
 
-def function_safe(op: tf.Operation) -> bool:
+def function_safe(op: tf.Operation, type_safe: dict) -> bool:
     """Whether a function computes `op` exactly as the graph does: a stateless op
-    with no function of its own and no resource, variant or reference value."""
-    if plain_constant(op) or op.type in _KEPT_OUT_TYPES or op.op_def.is_stateful:
-        return False
-    if any(attr.type in ("func", "list(func)") for attr in op.op_def.attr):
+    with no function of its own and no resource, variant or reference value.
+
+    type_safe: the answer for the op's type alone (stateless, no function attribute,
+    no placeholder), cached by type for one rewrite: reading an op's OpDef parses it."""
+    safe = type_safe.get(op.type)
+    if safe is None:
+        safe = type_safe[op.type] = op.type not in _KEPT_OUT_TYPES and \
+            not op.op_def.is_stateful and \
+            not any(attr.type in ("func", "list(func)") for attr in op.op_def.attr)
+    if not safe or plain_constant(op):
         return False
     for tensor in list(op.inputs) + list(op.outputs):
-        if tensor.dtype in _UNSAFE_DTYPES or tensor.dtype._is_ref_dtype:
+        enum = tensor.dtype.as_datatype_enum
+        if enum in _UNSAFE_DTYPES or enum > _REF_OFFSET:
             return False
     return True
 
 
-def _members(ops: list, deps: dict) -> list:
+def _members(ops: list, deps: dict, type_safe: dict) -> list:
     """The ops of one group a function can hold: the function-safe ones, less those
     computed from constants alone (a scale or a keep probability the script may feed:
     a feed reaches what stays outside) and those a kept op of the group reads
@@ -231,7 +244,7 @@ def _members(ops: list, deps: dict) -> list:
         if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
                 not any(c in own for c in op.control_inputs):
             constant.add(op)
-    safe = [op for op in ops if op not in constant and function_safe(op)]
+    safe = [op for op in ops if op not in constant and function_safe(op, type_safe)]
     inside = set(safe)
     read = [dep for op in ops if op not in inside for dep in deps[op] if dep in inside]
     out = _closure(read, inside, deps)
@@ -255,9 +268,9 @@ def _closure(ops: list, inside: set, neighbours: dict) -> set:
 def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
     """Replace every group that can be one call by a call of its function."""
     deps = predecessors(graph)
-    members = {}
+    members, type_safe = {}, {}
     for index, (_, _, _, ops) in enumerate(groups):
-        chosen = _members(ops, deps)
+        chosen = _members(ops, deps, type_safe)
         if len(chosen) > 1:
             members[index] = chosen
     kept = []
@@ -417,7 +430,12 @@ def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: st
             "PartitionedCall", inputs, [t.dtype for t in body.outputs],
             attrs={"f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name)),
                    "Tin": _types(body.inputs), "Tout": _types(body.outputs),
-                   "config_proto": _BODY_CONFIG},
+                   "config_proto": _BODY_CONFIG,
+                   # the outputs' shapes are set below from the copies'; without this
+                   # TensorFlow's shape inference walks the body for each call as it is
+                   # created (about 30 ms a call: 7.9 s of a 12-layer, 64-micro-batch
+                   # rewrite), as tf.compat.v1's Defun calls skip it too
+                   "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=True)},
             name=f"EPL_UNIT_{k}_{m}_{phase}")
     graph_mutation.set_device(call, device)
     for key in UNIT_TAGS:

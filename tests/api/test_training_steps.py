@@ -118,6 +118,24 @@ def _plain_assigns(loss, variables, global_step):
     return tf.group(*updates, global_step.assign_add(1))
 
 
+def _decayed_then_increment(loss, variables, global_step):
+    """BERT's order: a learning rate decayed by the global step, plain updates, and the
+    global step incremented by hand beside them, nothing ordering it against the read."""
+    learning_rate = tf.compat.v1.train.polynomial_decay(0.3, global_step, 4, end_learning_rate=0.0)
+    grads = tf.compat.v1.gradients(loss, variables)
+    updates = [v.assign_sub(learning_rate * g) for v, g in zip(variables, grads)]
+    return tf.group(*updates, global_step.assign(global_step + 1))
+
+
+def _decayed_then_ordered_increment(loss, variables, global_step):
+    """`_decayed_then_increment` with the order its author means written out."""
+    learning_rate = tf.compat.v1.train.polynomial_decay(0.3, global_step, 4, end_learning_rate=0.0)
+    grads = tf.compat.v1.gradients(loss, variables)
+    updates = [v.assign_sub(learning_rate * g) for v, g in zip(variables, grads)]
+    with tf.control_dependencies([learning_rate]):
+        return tf.group(*updates, global_step.assign(global_step + 1))
+
+
 @pytest.mark.parametrize("gradients_fn", [_clip_then_apply, _compute_then_custom_apply,
                                           _plain_assigns],
                          ids=["clip-then-apply", "custom-apply", "plain-assigns"])
@@ -129,6 +147,28 @@ def test_training_steps_without_minimize_match_single_device(gradients_fn):
         np.testing.assert_allclose(result[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(result[0], reference[0], rtol=1e-5, atol=1e-6)
     assert parallel_graph(result[2]).plan.num_replicas == 2
+
+
+def test_a_hand_written_increment_waits_for_the_reads_built_before_it():
+    """The global step's increment waits for the learning rate's read of it (the annotate
+    pass writes the order), so every replica's updates use this step's learning rate on
+    any placement; the read inside the increment needs no edge.
+
+    Plain TensorFlow leaves the two unordered, and on this model its executor happens to
+    run the increment first; EPL keeps the order the script built them in, so the
+    reference is the script with that order written out."""
+    reference = _small_step(_decayed_then_ordered_increment, False, 8)
+    losses, values, graph = _small_step(_decayed_then_increment, True, 4)
+    for name, value in reference[1].items():
+        np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5, atol=1e-6)
+    view = parallel_graph(graph).view
+    assert len(view.write_orders) == 1
+    read, write = view.write_orders[0]
+    assert read.type == "ReadVariableOp" and write.type == "AssignVariableOp"
+    assert read.inputs[0].op is write.inputs[0].op      # the global step, both
+    assert read in write.control_inputs
+    assert read not in (t.op for t in write.inputs[1].op.inputs)
 
 
 def test_gradient_penalty_inside_the_loss_is_not_a_step():

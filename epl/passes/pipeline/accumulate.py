@@ -38,10 +38,15 @@ class Accumulation:
     gradients: each replica's accumulated gradients (gradient_flow.ReplicaGradients).
     ops: (replica, micro-batch) -> the accumulation ops that are that micro-batch's
       work (the add of its gradient; the last micro-batch's also the final scaling).
+    scaling: the final scalings of the equal-share sums (x 1/M, one per variable and
+      replica, in `ops` as the last micro-batch's work): the unit_functions pass keeps
+      them out of the last micro-batch's backward call, whose body is then the middle
+      micro-batches' one.
     """
 
     gradients: ReplicaGradients
     ops: dict
+    scaling: frozenset = frozenset()
 
 
 class AccumulatePass(GraphPass):
@@ -57,11 +62,11 @@ class AccumulatePass(GraphPass):
         micro = replication.num_micro_batches
         replicas = len(replication.micro_scales)
         first_new = len(graph.get_operations())
-        per_replica, ops = [], {}
+        per_replica, ops, scaling = [], {}, set()
         for k in range(replicas):
             per_micro = [replication.unit_gradients[(k, m)] for m in range(micro)]
             taken = [None if g is None else gradient_flow.readers(g) for g in per_micro[0]]
-            accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k])
+            accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k], scaling)
             for first, total, readers in zip(per_micro[0], accumulated, taken):
                 if first is not None:
                     gradient_flow.rewire(first, total, readers)
@@ -73,15 +78,15 @@ class AccumulatePass(GraphPass):
         # split TaskGraphs run one micro-batch (the replicate pass refuses more): unchanged
         accumulated = ReplicaGradients(entries, list(replication.split_gradients))
         ctx.provide(accumulated)
-        ctx.provide(Accumulation(accumulated, ops))
+        ctx.provide(Accumulation(accumulated, ops, frozenset(scaling)))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{micro} micro-batch gradients per variable added per replica, over {replicas} "
             "replica(s), weighted by each micro-batch's share of its replica's examples"])
 
 
-def accumulate(per_micro: list[list], replica: int, scales: list | None = None
-               ) -> tuple[list, dict]:
+def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
+               scaling: set | None = None) -> tuple[list, dict]:
     """One gradient per variable from the gradients of every micro-batch.
 
     per_micro[m][i] is micro-batch m's gradient of variable i; scales[m] is
@@ -109,7 +114,8 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None
     building them as TensorFlow ops one by one took about 1 ms each, 2.4 of the
     rewrite's 16.7 s at 12 layers and 16 micro-batches (bench/startup.py).
 
-    Returns (gradients, {m: ops added for micro-batch m}).
+    Returns (gradients, {m: ops added for micro-batch m}); the ops of the final
+    scalings (x 1/M) also go into `scaling`, when given.
     """
     micro = len(per_micro)
     if micro == 1:
@@ -126,7 +132,7 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None
             continue
         if equal and not isinstance(first, tf.IndexedSlices):
             batch = batch or NodeBatch(first.graph)
-            written.append((len(accumulated), _dense_sum(batch, parts, replica, scale)))
+            written.append((len(accumulated), *_dense_sum(batch, parts, replica, scale)))
             accumulated.append(None)   # filled in once the batch is committed
             continue
         source = first.values.op if isinstance(first, tf.IndexedSlices) else first.op
@@ -167,18 +173,21 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None
         accumulated.append(total)
     if batch is not None:
         created = batch.commit()
-        for position, names in written:
+        for position, names, scale_names in written:
             for m in range(micro):
                 ops_of[m].extend(created[name] for name in names.get(m, ()))
             accumulated[position] = created[names[micro - 1][-1]].outputs[0]
+            if scaling is not None:
+                scaling.update(created[name] for name in scale_names)
     return accumulated, ops_of
 
 
-def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> dict:
+def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> tuple:
     """Write ((g_0 + g_1) + ...) x scale for one variable's dense gradients `parts` into
     `batch`, as `accumulate` builds it (on the device of g_0, with its TaskGraph and
     phase; the add of g_m is micro-batch m's op, the scaling the last one's). Returns
-    {m: the names of micro-batch m's nodes}, the last one's ending with the sum."""
+    ({m: the names of micro-batch m's nodes}, the last one's ending with the sum; the
+    names of the scaling's nodes)."""
     first = parts[0]
     source = first.op
     attrs = source.node_def.attr   # read once: node_def serializes the op
@@ -207,8 +216,8 @@ def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> di
     value = np.asarray(np.float32(scale)).astype(first.dtype.as_numpy_dtype)
     const = node("Const", "EPL_ACCUMULATE/Cast/x", last, [], dtype=dtype,
                  value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(value)))
-    node("Mul", "EPL_ACCUMULATE/mul", last, [total, batch.output(const, 0)], T=dtype)
-    return names
+    mul = node("Mul", "EPL_ACCUMULATE/mul", last, [total, batch.output(const, 0)], T=dtype)
+    return names, (const, mul)
 
 
 def _tensors(value) -> list:
