@@ -28,8 +28,9 @@ A backward body also holds the accumulate pass's adds of the unit's gradients
 into the running sums (`unit_groups`): the call takes the sums so far and returns
 them. They were per-unit graph ops before, one per variable and micro-batch: at 12
 layers and 16 micro-batches 2,985 of a step's 10,542 graph ops (bench/startup.py's
-model); 7,123 remain. The final scaling of the sums (x 1/M) stays outside, so the
-last micro-batch's backward calls the middle ones' function.
+model); 7,123 remain. What finishes the sums at the last micro-batch (x 1/M, the
+sparse concatenations) stays outside, so the last micro-batch's backward can call
+the middle ones' function.
 
 What stays outside the function, as the copies are today (so they compute
 exactly what they compute without this pass):
@@ -101,6 +102,10 @@ NOINLINE_ATTR = "_noinline"
 _UNSAFE_DTYPES = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
 _REF_OFFSET = 100   # a reference type's enum is its value type's plus 100 (types.proto)
 _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"))
+# attributes a body's node does not take: the colocation, and the mark TensorFlow sets
+# on an op given control inputs after it was built (the schedule's edges, which the
+# call takes instead; it told the last micro-batch's backward from the middle ones')
+_NOT_IN_BODY = frozenset((COLOCATION_ATTR, "_has_manual_control_dependencies"))
 
 
 @dataclasses.dataclass
@@ -171,11 +176,13 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     the call then takes the sums so far and returns them with its gradients added,
     and the adds (one per variable and micro-batch, as many as the model's
     variables times M) are nodes of the shared body instead of ops of the graph.
-    Micro-batch 0 adds nothing, so a stage's backward is two functions (the first
-    micro-batch's, every other's) whatever M is. The final scaling of the sums (the
-    accumulate pass's `scaling`, the last micro-batch's work) stays a graph op: in
-    the body it made the last micro-batch's backward a third function, one more
-    copy of the stage's backward in what the first step optimizes.
+    Micro-batch 0 adds nothing, so a stage's backward is at least two functions (the
+    first micro-batch's, every other's) whatever M is. What finishes the sums (the
+    accumulate pass's `scaling`: x 1/M, the sparse concatenations; the last
+    micro-batch's work) stays a graph op: in the body it made the last micro-batch's
+    backward a third function, one more copy of the stage's backward in what the
+    first step optimizes (bench/startup.py's encoder has two now; a model whose last
+    micro-batch's backward is cut between the stages otherwise still has three).
 
     The device of a group is the one most of its ops are on; its call runs the others
     there too. Why by TaskGraph and not by device: TensorFlow's autodiff puts some
@@ -341,7 +348,7 @@ class _Body:
             node = fdef.node_def.add()
             node.name, node.op = f"n{i}", op.type
             for key, value in op.node_def.attr.items():
-                if key != COLOCATION_ATTR and key not in EPL_ATTRS:
+                if key not in _NOT_IN_BODY and key not in EPL_ATTRS:
                     node.attr[key].CopyFrom(value)
             for tensor in op.inputs:
                 node.input.append(self._ref(tensor, fdef))

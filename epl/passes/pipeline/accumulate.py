@@ -38,10 +38,11 @@ class Accumulation:
     gradients: each replica's accumulated gradients (gradient_flow.ReplicaGradients).
     ops: (replica, micro-batch) -> the accumulation ops that are that micro-batch's
       work (the add of its gradient; the last micro-batch's also the final scaling).
-    scaling: the final scalings of the equal-share sums (x 1/M, one per variable and
-      replica, in `ops` as the last micro-batch's work): the unit_functions pass keeps
-      them out of the last micro-batch's backward call, whose body is then the middle
-      micro-batches' one.
+    scaling: the ops that finish the sums, in `ops` as the last micro-batch's work:
+      the final x 1/M of each equal-share dense sum, and the concatenation of each
+      sparse gradient's micro-batches (one per variable and replica whatever M is).
+      The unit_functions pass keeps them out of the last micro-batch's backward call,
+      whose body is then the middle micro-batches' one.
     """
 
     gradients: ReplicaGradients
@@ -114,8 +115,9 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
     building them as TensorFlow ops one by one took about 1 ms each, 2.4 of the
     rewrite's 16.7 s at 12 layers and 16 micro-batches (bench/startup.py).
 
-    Returns (gradients, {m: ops added for micro-batch m}); the ops of the final
-    scalings (x 1/M) also go into `scaling`, when given.
+    Returns (gradients, {m: ops added for micro-batch m}); the ops that finish the
+    sums at the last micro-batch (the dense sums' x 1/M, the sparse concatenations)
+    also go into `scaling`, when given.
     """
     micro = len(per_micro)
     if micro == 1:
@@ -156,10 +158,13 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
             return result
 
         if isinstance(first, tf.IndexedSlices):
+            before = len(ops_of[micro - 1])
             total = tagged(micro - 1, lambda: tf.IndexedSlices(
                 tf.concat([p.values * tf.cast(x, first.dtype) for p, x in zip(parts, scales)],
                           axis=0),
                 tf.concat([p.indices for p in parts], axis=0), first.dense_shape))
+            if scaling is not None:
+                scaling.update(ops_of[micro - 1][before:])
         elif equal:
             total = parts[0]
             for m in range(1, micro):
