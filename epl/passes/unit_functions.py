@@ -289,7 +289,8 @@ def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
                     f"{count - len(members)} whole group(s): in a call they would close a "
                     "cycle (a group that reads, through ops outside it, a value it computes)")
     group_of = {op: index for index, ops in members.items() for op in ops}
-    bodies = {index: _Body(members[index], group_of) for index in order}
+    output_names: dict = {}   # shared by the bodies: _output_suffixes' cache
+    bodies = {index: _Body(members[index], group_of, output_names) for index in order}
     # what each group gives the graph: its tensors read by any op outside it
     for op in graph.get_operations():
         own = group_of.get(op)
@@ -323,8 +324,9 @@ class _Body:
     """One group's FunctionDef: its members as nodes `n<i>`, the constants they read
     copied in as `c<i>`, every other tensor they read an argument `a<i>`."""
 
-    def __init__(self, ops: list, group_of: dict):
+    def __init__(self, ops: list, group_of: dict, output_names: dict):
         self.ops = topological_order(ops)
+        self.output_names = output_names
         self.position = {op: i for i, op in enumerate(self.ops)}
         self.group_of = group_of
         self.inputs: list = []           # external tensors, in order of first read
@@ -376,33 +378,40 @@ class _Body:
     def _ref(self, tensor: tf.Tensor, fdef) -> str:
         """The FunctionDef input naming `tensor`."""
         op = tensor.op
-        if op in self.position:
-            return _output_name(op, f"n{self.position[op]}", tensor.value_index)
-        if plain_constant(op):
-            name = self._constants.get(tensor)
-            if name is None:
-                name = self._constants[tensor] = f"c{len(self._constants)}"
-                node = fdef.node_def.add()
-                node.name, node.op = name, "Const"
-                node.attr["value"].CopyFrom(op.node_def.attr["value"])
-                node.attr["dtype"].CopyFrom(op.node_def.attr["dtype"])
-            return f"{name}:output:0"
+        position = self.position.get(op)
+        if position is not None:
+            return f"n{position}:{_output_suffixes(op, self.output_names)[tensor.value_index]}"
         name = self._argument.get(tensor)
-        if name is None:
-            name = self._argument[tensor] = f"a{len(self.inputs)}"
-            self.inputs.append(tensor)
+        if name is not None:
+            return name
+        name = self._constants.get(tensor)
+        if name is not None:
+            return f"{name}:output:0"
+        if plain_constant(op):
+            name = self._constants[tensor] = f"c{len(self._constants)}"
+            node = fdef.node_def.add()
+            node.name, node.op = name, "Const"
+            attrs = op.node_def.attr   # read once: node_def serializes the op
+            node.attr["value"].CopyFrom(attrs["value"])
+            node.attr["dtype"].CopyFrom(attrs["dtype"])
+            return f"{name}:output:0"
+        name = self._argument[tensor] = f"a{len(self.inputs)}"
+        self.inputs.append(tensor)
         return name
 
 
-def _output_name(op: tf.Operation, node: str, index: int) -> str:
-    """FunctionDef name of output `index` of `op` written as node `node`:
-    "node:<output arg>:<index within the arg>"."""
-    offset = index
-    for arg, size in output_args(op):
-        if offset < size:
-            return f"{node}:{arg.name}:{offset}"
-        offset -= size
-    raise ValueError(f"{op.name} has no output {index}")
+def _output_suffixes(op: tf.Operation, cache: dict) -> list:
+    """The FunctionDef names of `op`'s outputs after the node's name, in order:
+    "<output arg>:<index within the arg>". Cached by (op type, number of outputs)
+    where those two decide them (at most one output argument of variable width);
+    reading an op's OpDef parses it."""
+    key = (op.type, len(op.outputs))
+    suffixes = cache.get(key)
+    if suffixes is None:
+        suffixes = [f"{arg.name}:{i}" for arg, size in output_args(op) for i in range(size)]
+        if sum(1 for arg in op.op_def.output_arg if arg.number_attr or arg.type_list_attr) <= 1:
+            cache[key] = suffixes
+    return suffixes
 
 
 class LibraryFunction:
