@@ -520,13 +520,14 @@ def _unordered_reads(phase_of, step_ops, tags) -> list:
 
     TensorFlow leaves such a pair unordered: in BERT's optimization.py the learning
     rate decays with a read of the global step, which the script then increments by
-    hand in a `tf.group` beside the optimizer's updates. Single-device TensorFlow
-    runs the read first in practice (it is ready at the step's start; the increment
-    comes two ops later), but a graph placed over several devices or pruned per run
-    may run them in another order, and every update of that step then uses the next
-    step's learning rate. The order a script means is the order it wrote them in,
-    the order tf.function's automatic control dependencies keep: a read built before
-    the write reads the value before it."""
+    hand in a `tf.group` beside the optimizer's updates. Which runs first is up to
+    TensorFlow's executor: single-device TensorFlow ran the read first on
+    tests/bert_like.py's model and the increment first on a two-layer model
+    (tests/api/test_training_steps.py), and a graph placed over several devices, or
+    pruned per run, may differ from both; every update of a step that reads the
+    incremented value uses the next step's learning rate. EPL keeps the order the
+    script wrote them in, the order tf.function's automatic control dependencies
+    keep: a read built before the write reads the value before it."""
     writes: dict = {}    # variable op -> its hand-written updates in the step
     reads: dict = {}     # variable op -> the apply-phase ops that take its handle
     for op in step_ops:

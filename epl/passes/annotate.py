@@ -14,7 +14,7 @@ It also writes the one order analysis found missing between the step's own ops
 (`TrainingView.write_orders`): a hand-written update of a variable waits for the
 reads of it the script built before it (a learning rate decayed by the global step
 that the script increments by hand), so that every replica, on any placement, reads
-the value single-device training reads.
+the value the script's order means (TensorFlow leaves the two unordered).
 """
 from __future__ import annotations
 

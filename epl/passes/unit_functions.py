@@ -142,7 +142,7 @@ class UnitFunctionsPass(GraphPass):
         accumulation = ctx.find(Accumulation)
         built = outline(graph, unit_groups(replication, split,
                                            accumulation.ops if accumulation else None,
-                                           accumulation.scaling if accumulation else ()))
+                                           accumulation.finishing if accumulation else ()))
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
@@ -166,7 +166,7 @@ def body_nodes(ops) -> list:
 
 
 def unit_groups(replication: Replication, split_taskgraphs: set,
-                accumulation: dict | None = None, scaling=()) -> list:
+                accumulation: dict | None = None, finishing=()) -> list:
     """[(unit, phase, device, ops)]: each unit's forward copies and its backward ops,
     cut by TaskGraph (a pipeline stage), in the replicate pass's order (the
     template's for every unit, so equal groups list their ops alike).
@@ -178,7 +178,7 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     variables times M) are nodes of the shared body instead of ops of the graph.
     Micro-batch 0 adds nothing, so a stage's backward is at least two functions (the
     first micro-batch's, every other's) whatever M is. What finishes the sums (the
-    accumulate pass's `scaling`: x 1/M, the sparse concatenations; the last
+    accumulate pass's `finishing`: x 1/M, the sparse concatenations; the last
     micro-batch's work) stays a graph op: in the body it made the last micro-batch's
     backward a third function, one more copy of the stage's backward in what the
     first step optimizes (bench/startup.py's encoder has two now; a model whose last
@@ -194,7 +194,7 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     groups = []
     for unit in replication.units():
         backward = list(replication.backward_ops.get(unit, []))
-        backward += [op for op in (accumulation or {}).get(unit, []) if op not in scaling]
+        backward += [op for op in (accumulation or {}).get(unit, []) if op not in finishing]
         for phase, ops in (("forward", list(replication.forward_copies[unit].values())),
                            ("backward", backward)):
             by_key: dict = {}

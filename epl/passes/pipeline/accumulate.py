@@ -38,7 +38,7 @@ class Accumulation:
     gradients: each replica's accumulated gradients (gradient_flow.ReplicaGradients).
     ops: (replica, micro-batch) -> the accumulation ops that are that micro-batch's
       work (the add of its gradient; the last micro-batch's also the final scaling).
-    scaling: the ops that finish the sums, in `ops` as the last micro-batch's work:
+    finishing: the ops that finish the sums, in `ops` as the last micro-batch's work:
       the final x 1/M of each equal-share dense sum, and the concatenation of each
       sparse gradient's micro-batches (one per variable and replica whatever M is).
       The unit_functions pass keeps them out of the last micro-batch's backward call,
@@ -47,7 +47,7 @@ class Accumulation:
 
     gradients: ReplicaGradients
     ops: dict
-    scaling: frozenset = frozenset()
+    finishing: frozenset = frozenset()
 
 
 class AccumulatePass(GraphPass):
@@ -63,11 +63,12 @@ class AccumulatePass(GraphPass):
         micro = replication.num_micro_batches
         replicas = len(replication.micro_scales)
         first_new = len(graph.get_operations())
-        per_replica, ops, scaling = [], {}, set()
+        per_replica, ops, finishing = [], {}, set()
         for k in range(replicas):
             per_micro = [replication.unit_gradients[(k, m)] for m in range(micro)]
             taken = [None if g is None else gradient_flow.readers(g) for g in per_micro[0]]
-            accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k], scaling)
+            accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k],
+                                              finishing)
             for first, total, readers in zip(per_micro[0], accumulated, taken):
                 if first is not None:
                     gradient_flow.rewire(first, total, readers)
@@ -79,7 +80,7 @@ class AccumulatePass(GraphPass):
         # split TaskGraphs run one micro-batch (the replicate pass refuses more): unchanged
         accumulated = ReplicaGradients(entries, list(replication.split_gradients))
         ctx.provide(accumulated)
-        ctx.provide(Accumulation(accumulated, ops, frozenset(scaling)))
+        ctx.provide(Accumulation(accumulated, ops, frozenset(finishing)))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{micro} micro-batch gradients per variable added per replica, over {replicas} "
@@ -87,7 +88,7 @@ class AccumulatePass(GraphPass):
 
 
 def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
-               scaling: set | None = None) -> tuple[list, dict]:
+               finishing: set | None = None) -> tuple[list, dict]:
     """One gradient per variable from the gradients of every micro-batch.
 
     per_micro[m][i] is micro-batch m's gradient of variable i; scales[m] is
@@ -117,7 +118,7 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
 
     Returns (gradients, {m: ops added for micro-batch m}); the ops that finish the
     sums at the last micro-batch (the dense sums' x 1/M, the sparse concatenations)
-    also go into `scaling`, when given.
+    also go into `finishing`, when given.
     """
     micro = len(per_micro)
     if micro == 1:
@@ -163,8 +164,8 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
                 tf.concat([p.values * tf.cast(x, first.dtype) for p, x in zip(parts, scales)],
                           axis=0),
                 tf.concat([p.indices for p in parts], axis=0), first.dense_shape))
-            if scaling is not None:
-                scaling.update(ops_of[micro - 1][before:])
+            if finishing is not None:
+                finishing.update(ops_of[micro - 1][before:])
         elif equal:
             total = parts[0]
             for m in range(1, micro):
@@ -182,8 +183,8 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
             for m in range(micro):
                 ops_of[m].extend(created[name] for name in names.get(m, ()))
             accumulated[position] = created[names[micro - 1][-1]].outputs[0]
-            if scaling is not None:
-                scaling.update(created[name] for name in scale_names)
+            if finishing is not None:
+                finishing.update(created[name] for name in scale_names)
     return accumulated, ops_of
 
 
