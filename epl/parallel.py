@@ -229,6 +229,9 @@ class ParallelGraph:
     outlined: frozenset = frozenset()
     # and each copied tensor a call returns -> the call's output (what a fetch reads)
     unit_outputs: dict = dataclasses.field(default_factory=dict)
+    # (variable op, is-initialized tensor) for each variable a call reads in its body:
+    # the session asks them after a cancelled step (UnitFunctions.initialized)
+    initialized: list = dataclasses.field(default_factory=list)
     # the graph's op count once rewritten: a fetch of a newer op was built afterwards
     ops_after_rewrite: int = 0
     # EPL's copy (op or resource name) -> (the user's op it stands for, its unit), for
@@ -406,6 +409,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     functions = ctx.find(UnitFunctions)
     if functions is not None:
         result.outlined, result.unit_outputs = functions.outlined, dict(functions.outputs)
+        result.initialized = list(functions.initialized)
     result.ops_after_rewrite = len(graph.get_operations())
     result.origins = copy_origins(replication)
     result.pass_spans = list(ctx.op_spans)

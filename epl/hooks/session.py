@@ -403,9 +403,31 @@ def _user_terms(session, result: ParallelGraph, plan: _RunPlan, feed_dict):
         yield
     except tf.errors.OpError as err:
         path = _fed_path(feed_dict) if plan.saves or plan.restores else None
+        if isinstance(err, tf.errors.CancelledError):
+            err = _uninitialized_instead(session, result, err)
         raise run_errors.rewrite(err, result, _read_step(session),
                                  saving=path if plan.saves else None,
                                  restoring=path if plan.restores else None) from None
+
+
+def _uninitialized_instead(session, result: ParallelGraph, err: tf.errors.CancelledError):
+    """A FailedPreconditionError naming the first variable that a unit function reads
+    and that is not initialized, if there is one (the real cause of a step that
+    another partition cancelled: epl.passes.unit_functions.initialized_check);
+    else `err`."""
+    if not result.initialized:
+        return err
+    try:
+        values = _ORIGINAL["run"](session, [check for _, check in result.initialized])
+    except (tf.errors.OpError, RuntimeError):
+        return err
+    missing = [variable for (variable, _), ok in zip(result.initialized, values) if not ok]
+    if not missing:
+        return err
+    variable = missing[0]
+    return tf.errors.FailedPreconditionError(
+        variable.node_def, variable, "%s\nCould not find variable %s (not initialized; %d of "
+        "the step's variables are not)" % (err.message, variable.name, len(missing)))
 
 
 def _read_step(session) -> int | None:

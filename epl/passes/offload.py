@@ -24,6 +24,8 @@ Runs after every pass that creates variables or ops that take their handles
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
 from epl.ir import graph_mutation
@@ -41,11 +43,21 @@ def offloaded_ops(graph: tf.Graph, variables: set) -> list[tf.Operation]:
                                         or names & set(op.colocation_groups()))]
 
 
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+    """What the offload pass placed on the host: `variables`, the variable ops (their
+    reads stay host ops: the unit_functions pass leaves them out of the calls)."""
+
+    host: str
+    variables: frozenset
+
+
 class OffloadPass(GraphPass):
     """Places the step's variables and the ops on their handles on the host device."""
 
     name = "offload"
     requires = (TrainingView,)
+    provides = (Offloaded,)
     after = ("replicate", "zero", "skip_on_overflow")  # moves what those built
 
     off_note = "offload.level is off"
@@ -67,6 +79,7 @@ class OffloadPass(GraphPass):
             graph_mutation.set_device(op, host)
         for op in following:
             graph_mutation.set_device(op, host)
+        ctx.provide(Offloaded(host, frozenset(variables)))
         return PassResult(notes=[f"{len(variables)} variables on {host} ({len(moved)} moved), "
                                  f"{len(following)} ops on their handles follow them"],
                           modified=modified)

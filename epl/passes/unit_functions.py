@@ -24,26 +24,28 @@ distinct piece of work instead:
 - the function is marked `_noinline`, or Grappler's function optimizer would
   inline every call again at the first step.
 
-A backward body also holds the accumulate pass's adds of the unit's gradients
-into the running sums (`unit_groups`): the call takes the sums so far and returns
-them. They were per-unit graph ops before, one per variable and micro-batch: at 12
-layers and 16 micro-batches 2,985 of a step's 10,542 graph ops (bench/startup.py's
-model); 7,123 remain. What finishes the sums at the last micro-batch (x 1/M, the
-sparse concatenations) stays outside, so the last micro-batch's backward can call
-the middle ones' function.
+What a body holds besides the group's stateless ops:
+- the group's reads of resource variables on the call's device (`variable_read`:
+  a read's only effect is its value, and a call reads no earlier than the copy;
+  a variable the offload pass put on the host is read there, outside). Such a
+  body is called with `StatefulPartitionedCall`, as tf.function calls one;
+- the accumulate pass's adds of the unit's gradients into the running sums
+  (`unit_groups`): the backward call takes the sums so far and returns them.
+  What finishes the sums at the last micro-batch (x 1/M, the sparse
+  concatenations) stays outside, so the last micro-batch's backward can call the
+  middle ones' function.
+  Both were per-unit graph ops before, one per variable and unit each: at 12
+  layers and 16 micro-batches 3,184 reads and 2,985 adds of a step's 10,542
+  graph ops (bench/startup.py's model); now 3,939 graph ops remain.
 
 What stays outside the function, as the copies are today (so they compute
 exactly what they compute without this pass):
-- stateful ops (variable reads, random ops, assignments, collectives, the
-  input pipeline): a function call runs its body once per call, but a stateful
-  op's effect and order belong to the graph; they and the ops of the group they
-  depend on stay per-unit ops (a group's ops that a stateful op of the same
-  group reads stay outside, so the call never feeds an op that feeds it). The
-  variable reads were tried inside the bodies (3,184 more ops of that step):
-  the calls trained as the copies, but a read of an uninitialized variable
-  inside a call then failed the step with TensorFlow's "RecvAsync is cancelled"
-  (CancelledError) instead of naming the variable, as
-  tests/runtime/test_run_errors.py requires;
+- other stateful ops (random ops, assignments, collectives, the input
+  pipeline, an embedding's gather): a function call runs its body once per
+  call, but a stateful op's effect and order belong to the graph; they and the
+  ops of the group they depend on stay per-unit ops (a group's ops that a
+  stateful op of the same group reads stay outside, so the call never feeds an
+  op that feeds it);
 - ops with a resource, variant or reference-typed input or output, ops that
   run functions of their own (v2 control flow), placeholders and ops computed
   from constants alone (the session may feed them: a scale, a keep
@@ -91,14 +93,18 @@ from tensorflow.python.client import pywrap_tf_session as c_api
 from tensorflow.python.framework import c_api_util
 
 from epl.ir import graph_mutation
-from epl.ir.annotations import EPL_ATTRS, TASKGRAPH_ATTR, UNIT_TAGS
+from epl.ir.annotations import EPL_ATTRS, PHASE_ATTR, TASKGRAPH_ATTR, UNIT_TAGS, Phase
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
 from epl.ir.graph_view import TrainingView, output_args, predecessors, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
+from epl.passes.offload import Offloaded
 from epl.passes.pipeline.accumulate import Accumulation
 from epl.passes.replication.result import Replication
 
 NOINLINE_ATTR = "_noinline"
+# a body that reads variables is called with StatefulPartitionedCall (as tf.function
+# calls one): Grappler then neither prunes nor merges its calls as pure computations
+CALL_TYPES = ("PartitionedCall", "StatefulPartitionedCall")
 _UNSAFE_DTYPES = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
 _REF_OFFSET = 100   # a reference type's enum is its value type's plus 100 (types.proto)
 _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"))
@@ -114,13 +120,16 @@ class UnitFunctions:
     library functions they call (distinct bodies); outlined: every op whose work a
     call now does (its copy stays in the graph, unread); kept: ops left as copies,
     with why; outputs: each copied tensor a call returns -> that output of the call
-    (a fetch of it reads the call instead of running the unread copies)."""
+    (a fetch of it reads the call instead of running the unread copies);
+    initialized: (variable op, its VarIsInitializedOp's output) for every variable a
+    call reads inside its body (`initialized_check`)."""
 
     calls: list
     functions: list
     outlined: frozenset
     kept: list
     outputs: dict = dataclasses.field(default_factory=dict)   # copy tensor -> call output
+    initialized: list = dataclasses.field(default_factory=list)
 
 
 class UnitFunctionsPass(GraphPass):
@@ -129,7 +138,9 @@ class UnitFunctionsPass(GraphPass):
     name = "unit_functions"
     off_note = "pipeline.unit_functions is off: the copies run"
     requires = (TrainingView, Replication)
-    optional = (Accumulation,)   # each micro-batch's gradient adds join its backward
+    # each micro-batch's gradient adds join its backward; offloaded variables are read
+    # on the host, outside the calls
+    optional = (Accumulation, Offloaded)
     provides = (UnitFunctions,)
     after = ("verify",)   # the invariants are checked on the copies, op by op
 
@@ -139,10 +150,12 @@ class UnitFunctionsPass(GraphPass):
             ctx.provide(UnitFunctions([], [], frozenset(), []))
             return PassResult(notes=["one unit: nothing to share"], modified=False)
         split = {taskgraph.name for taskgraph in ctx.get(TrainingView).split_taskgraphs}
-        accumulation = ctx.find(Accumulation)
+        accumulation, offloaded = ctx.find(Accumulation), ctx.find(Offloaded)
         built = outline(graph, unit_groups(replication, split,
                                            accumulation.ops if accumulation else None,
-                                           accumulation.finishing if accumulation else ()))
+                                           accumulation.finishing if accumulation else ()),
+                        offloaded.variables if offloaded else frozenset())
+        built.initialized = initialized_check(graph, built.calls)
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
@@ -156,7 +169,7 @@ def body_nodes(ops) -> list:
     """The NodeDefs of every unit function that a call among `ops` runs, once per
     function (what a step computes inside its calls, for readers that look at the
     ops a step runs)."""
-    names = {op.get_attr("f").name: op.graph for op in ops if op.type == "PartitionedCall"}
+    names = {op.get_attr("f").name: op.graph for op in ops if op.type in CALL_TYPES}
     nodes = []
     for name, graph in sorted(names.items(), key=lambda item: item[0]):
         function = graph._get_function(name)
@@ -238,8 +251,29 @@ def function_safe(op: tf.Operation, type_safe: dict) -> bool:
     return True
 
 
-def _members(ops: list, deps: dict, type_safe: dict) -> list:
-    """The ops of one group a function can hold: the function-safe ones, less those
+def variable_read(op: tf.Operation, device: str, host_variables: frozenset) -> bool:
+    """Whether `op` is a read of a resource variable on `device` (the group's: its call
+    runs there), which a body computes as the copy does. A variable the offload pass
+    put in host memory (`host_variables`) is read on the host: its read stays a graph
+    op, and the call gets the value.
+
+    A read is stateful, but its effect is only its value, and the call makes it no
+    earlier than the copy would run: a call starts once all of its inputs and
+    control inputs are there, which includes everything the copy waited for (the
+    schedule's edges among them). Nothing in a step writes a trained variable before
+    the update, which reads the gradient that every unit's reads feed; a variable a
+    unit writes itself (a batch-norm moving average) is read by the assignment's
+    inputs, which `_members` keeps outside with what they read. Before this, each
+    unit's reads stayed graph ops: one per variable per unit, 3,184 of the 10,542
+    graph ops of a step at 12 layers and 16 micro-batches (bench/startup.py's model)."""
+    return op.type == "ReadVariableOp" and op.device == device and \
+        op.inputs[0].dtype == tf.resource and op.inputs[0].op not in host_variables
+
+
+def _members(ops: list, deps: dict, device: str, host_variables: frozenset,
+             type_safe: dict) -> list:
+    """The ops of one group a function can hold: the function-safe ones and the
+    variable reads on the group's device (`variable_read`), less those
     computed from constants alone (a scale or a keep probability the script may feed:
     a feed reaches what stays outside) and those a kept op of the group reads
     (directly or through other members), so the call never feeds an op that feeds
@@ -251,7 +285,8 @@ def _members(ops: list, deps: dict, type_safe: dict) -> list:
         if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
                 not any(c in own for c in op.control_inputs):
             constant.add(op)
-    safe = [op for op in ops if op not in constant and function_safe(op, type_safe)]
+    safe = [op for op in ops if op not in constant
+            and (function_safe(op, type_safe) or variable_read(op, device, host_variables))]
     inside = set(safe)
     read = [dep for op in ops if op not in inside for dep in deps[op] if dep in inside]
     out = _closure(read, inside, deps)
@@ -272,12 +307,14 @@ def _closure(ops: list, inside: set, neighbours: dict) -> set:
     return found
 
 
-def outline(graph: tf.Graph, groups: list) -> UnitFunctions:
-    """Replace every group that can be one call by a call of its function."""
+def outline(graph: tf.Graph, groups: list, host_variables: frozenset = frozenset()
+            ) -> UnitFunctions:
+    """Replace every group that can be one call by a call of its function
+    (`host_variables`: the variable ops the offload pass put on the host)."""
     deps = predecessors(graph)
     members, type_safe = {}, {}
-    for index, (_, _, _, ops) in enumerate(groups):
-        chosen = _members(ops, deps, type_safe)
+    for index, (_, _, device, ops) in enumerate(groups):
+        chosen = _members(ops, deps, device, host_variables, type_safe)
         if len(chosen) > 1:
             members[index] = chosen
     kept = []
@@ -334,6 +371,7 @@ class _Body:
         self._constants: dict = {}       # constant tensor -> its node name
         self.controls: list = []         # external ops some member waits for
         self.outputs: list = []          # member tensors read outside the group
+        self.reads_variables = any(op.type == "ReadVariableOp" for op in self.ops)
         self._given: set = set()
 
     def give(self, tensor: tf.Tensor) -> None:
@@ -360,14 +398,19 @@ class _Body:
                 elif control not in controls:
                     controls.add(control)
                     self.controls.append(control)
+        variables = {op.inputs[0]: op for op in self.ops if op.type == "ReadVariableOp"}
         for i, tensor in enumerate(self.inputs):
             arg = fdef.signature.input_arg.add()
             arg.name, arg.type = f"a{i}", tensor.dtype.as_datatype_enum
             # the argument's static shape, as the graph knows it: Grappler's rewrites
             # that depend on shapes (the remapper's fused MatMul + bias add) then rewrite
             # the body as they rewrite the copies
-            fdef.arg_attr[i].attr["_output_shapes"].list.shape.add().CopyFrom(
-                tensor.shape.as_proto())
+            attrs = fdef.arg_attr[i].attr
+            attrs["_output_shapes"].list.shape.add().CopyFrom(tensor.shape.as_proto())
+            read = variables.get(tensor)
+            if read is not None:   # a variable's handle: the dtype and shape of its value
+                attrs["_handle_dtypes"].list.type.append(read.get_attr("dtype").as_datatype_enum)
+                attrs["_handle_shapes"].list.shape.add().CopyFrom(read.outputs[0].shape.as_proto())
         for i, tensor in enumerate(self.outputs):
             out = fdef.signature.output_arg.add()
             out.name, out.type = f"o{i}", tensor.dtype.as_datatype_enum
@@ -427,6 +470,39 @@ class LibraryFunction:
         self._c_func = c_api_util.ScopedTFFunction(
             c_api.TF_FunctionImportFunctionDef(definition.SerializeToString()), self.name)
 
+    @property
+    def definition(self) -> function_pb2.FunctionDef:
+        """The FunctionDef (what epl/runtime/variable_access.py reads to see that a
+        body only reads the variables it is given)."""
+        return self.cached_definition
+
+
+def initialized_check(graph: tf.Graph, calls: list) -> list:
+    """[(variable op, a bool tensor: it is initialized)] for every resource variable a
+    call reads in its body, built beside the step (nothing in it reads them).
+
+    Why: a read of an uninitialized variable inside a call fails the step with
+    another partition's "RecvAsync is cancelled" (tf.errors.CancelledError), and the
+    error that names the variable is only logged. The session runs these after a
+    cancelled step (epl/hooks/session.py) and raises the FailedPreconditionError
+    that names the user's variable instead."""
+    variables = sorted({t.op for call in calls if call.type == CALL_TYPES[1]
+                        for t in call.inputs if t.dtype == tf.resource}, key=lambda op: op._id)
+    checks = []
+    with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
+            tf.device(None), graph.colocate_with(None, ignore_existing=True):
+        for variable in variables:
+            check = tf.raw_ops.VarIsInitializedOp(resource=variable.outputs[0],
+                                                  name="EPL_INITIALIZED")
+            graph_mutation.set_device(check.op, variable.device)
+            attrs = variable.node_def.attr
+            if TASKGRAPH_ATTR in attrs:
+                graph_mutation.set_attr(check.op, TASKGRAPH_ATTR, attrs[TASKGRAPH_ATTR])
+            graph_mutation.set_attr(check.op, PHASE_ATTR, attr_value_pb2.AttrValue(
+                s=Phase.OTHER.value.encode()))
+            checks.append((variable, check))
+    return checks
+
 
 def _register(graph: tf.Graph, definition: function_pb2.FunctionDef) -> None:
     """Add `definition` to the graph's library as it is."""
@@ -443,7 +519,7 @@ def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: st
     with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
             tf.device(None), graph.colocate_with(None, ignore_existing=True):
         call = graph.create_op(
-            "PartitionedCall", inputs, [t.dtype for t in body.outputs],
+            CALL_TYPES[body.reads_variables], inputs, [t.dtype for t in body.outputs],
             attrs={"f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name)),
                    "Tin": _types(body.inputs), "Tout": _types(body.outputs),
                    "config_proto": _BODY_CONFIG,

@@ -41,7 +41,7 @@ def test_weights_on_host_compute_on_devices(models, epl_env):
     # the products outside the unit functions' calls, and the calls that compute some
     # (epl/passes/unit_functions.py: a call's body runs on the call's device)
     products = [op for op in step if op.type == "MatMul" or (
-        op.type == "PartitionedCall"
+        op.type in unit_functions.CALL_TYPES
         and any(node.op == "MatMul" for node in unit_functions.body_nodes([op])))]
     assert {op.device for op in products} == {f"/device:CPU:{k}" for k in range(4)}
     # a compute device reads the weight's value (copied from the host), never its handle

@@ -107,9 +107,12 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
     # under control_dependencies(UPDATE_OPS), no longer wait for the writes (71)
     "consistency": ({"AddN": 2, "Const": 4, "Mul": 4}, 75),
     "verify": ({}, 0),     # checks only
-    # per replica, its forward and its backward as one call each; the update ops and
-    # the loss's merge read the calls (changed)
-    "unit_functions": ({"PartitionedCall": 4}, 9),
+    # per replica, its forward and its backward as one call each (the forward reads the
+    # variables in its body: a StatefulPartitionedCall); the update ops and the loss's
+    # merge read the calls (changed); per variable a call reads (4 per replica), whether
+    # it is initialized, asked only after a cancelled step
+    "unit_functions": ({"PartitionedCall": 2, "StatefulPartitionedCall": 2,
+                        "VarIsInitializedOp": 8}, 9),
 }
 
 

@@ -213,7 +213,8 @@ def test_send_receive_and_run_time_order(unit_functions):
     for m in range(4):
         assert (0, 0, Step(0, m, FORWARD)) in sent, m
     if unit_functions:
-        assert any(op.type == "PartitionedCall" for op in graph.get_operations())
+        assert any(op.type in ("PartitionedCall", "StatefulPartitionedCall")
+                   for op in graph.get_operations())
     spans = {}
     for device in metadata.step_stats.dev_stats:
         for node in device.node_stats:

@@ -17,7 +17,7 @@ from epl.errors import PassError
 from epl.ir.annotations import PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
 from epl.ir.collectives import is_collective, is_reduction_to_one_device
 from epl.ir.graph_view import TrainingView, ancestors
-from epl.passes import verify
+from epl.passes import unit_functions, verify
 from epl.passes.replication.result import Replication
 from epl.tools import dump as epl_dump
 
@@ -66,8 +66,8 @@ def test_forward_copies_per_replica(models, epl_env, model, replicas):
                    and _phase(op) == "forward" and op.type not in VARIABLE_TYPES]
         # the copies, and the unit_functions pass's call that runs them (on by default;
         # with one unit, nothing to share: no call)
-        copies = [op for op in forward if op.type != "PartitionedCall"]
-        calls = [op for op in forward if op.type == "PartitionedCall"]
+        copies = [op for op in forward if op.type not in unit_functions.CALL_TYPES]
+        calls = [op for op in forward if op.type in unit_functions.CALL_TYPES]
         assert len(copies) == len(template), f"replica {k}"
         assert len(calls) == (replicas > 1)
         assert all(call.device == f"/device:CPU:{k}" for call in calls)

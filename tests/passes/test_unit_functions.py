@@ -51,7 +51,7 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
 
     result = parallel_graph(calls.graph)
     graph = calls.graph
-    built = [op for op in graph.get_operations() if op.type == "PartitionedCall"]
+    built = [op for op in graph.get_operations() if op.type in unit_functions.CALL_TYPES]
     # one call per (micro-batch, stage, phase)
     assert len(built) == micro * stages * 2
     functions = {op.get_attr("f").name for op in built}
@@ -69,7 +69,7 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     assert all(library[name].attr[unit_functions.NOINLINE_ATTR].b for name in functions)
     # the step runs the calls, none of the copies they replaced
-    assert not any(op.type == "PartitionedCall" for op in copies.graph.get_operations())
+    assert not any(op.type in unit_functions.CALL_TYPES for op in copies.graph.get_operations())
     step = ancestors(list(result.view.train_ops))
     assert set(built) <= step
     assert result.outlined and not step & result.outlined
@@ -105,7 +105,7 @@ def _dropout_run(config: dict | None, steps: int = 3, inputs: str = "placeholder
             sess.run(tf.compat.v1.global_variables_initializer())
             losses = [float(sess.run([loss, train_op], feed)[0]) for _ in range(steps)]
             values = sess.run(tf.compat.v1.trainable_variables())
-        calls = [op for op in graph.get_operations() if op.type == "PartitionedCall"]
+        calls = [op for op in graph.get_operations() if op.type in unit_functions.CALL_TYPES]
         library = {f.signature.name: f for f in graph.as_graph_def().library.function}
         bodies = [library[op.get_attr("f").name] for op in calls]
     env.reset()
