@@ -32,6 +32,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from epl.env import get_config
 from epl.errors import ConfigError, ParallelizeError, PassError
 from epl.ir.autodiff import internal_autodiff
+from epl.ir.graph_mutation import clean_construction_context
 from epl.ir.graph_view import TrainingView, analyze, has_training_step
 from epl.ir.record import GraphRecord
 from epl.observability.summary import format_summary, prints_here, summarize
@@ -279,19 +280,6 @@ def needs_parallelize(record: GraphRecord | None) -> bool:
         return True
     # only tf.gradients calls: a training step if their gradients update variables
     return bool(record.train_steps) and has_training_step(record)
-
-
-@contextlib.contextmanager
-def clean_construction_context(graph: tf.Graph):
-    """Build EPL's ops at the top level: no user scopes, devices or control deps."""
-    saved_attrs = graph._attr_scope_map
-    graph._attr_scope_map = {}
-    try:
-        with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
-                tf.device(None), graph.colocate_with(None, ignore_existing=True):
-            yield
-    finally:
-        graph._attr_scope_map = saved_attrs
 
 
 def parallelize(graph: tf.Graph, record: GraphRecord,

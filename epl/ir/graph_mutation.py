@@ -16,6 +16,7 @@ tracks.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Iterable
 
@@ -92,3 +93,18 @@ def rewire_consumers(tensor: tf.Tensor, replacement: tf.Tensor,
             if inp is tensor:
                 consumer._update_input(index, replacement)
                 _changed(consumer)
+
+
+@contextlib.contextmanager
+def clean_construction_context(graph: tf.Graph):
+    """Build EPL's ops at the top level: no user scopes, devices, colocations,
+    attribute scopes or control deps (the driver around the passes, the passes that
+    build ops with the TensorFlow API, the late rewrite)."""
+    saved_attrs = graph._attr_scope_map
+    graph._attr_scope_map = {}
+    try:
+        with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
+                tf.device(None), graph.colocate_with(None, ignore_existing=True):
+            yield
+    finally:
+        graph._attr_scope_map = saved_attrs

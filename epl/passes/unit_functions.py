@@ -489,8 +489,7 @@ def initialized_check(graph: tf.Graph, calls: list) -> list:
     variables = sorted({t.op for call in calls if call.type == CALL_TYPES[1]
                         for t in call.inputs if t.dtype == tf.resource}, key=lambda op: op._id)
     checks = []
-    with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
-            tf.device(None), graph.colocate_with(None, ignore_existing=True):
+    with graph_mutation.clean_construction_context(graph):
         for variable in variables:
             check = tf.raw_ops.VarIsInitializedOp(resource=variable.outputs[0],
                                                   name="EPL_INITIALIZED")
@@ -516,8 +515,7 @@ def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: st
     inputs = [replacement.get(t, t) for t in body.inputs]
     first = body.ops[0]
     k, m = unit
-    with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
-            tf.device(None), graph.colocate_with(None, ignore_existing=True):
+    with graph_mutation.clean_construction_context(graph):
         call = graph.create_op(
             CALL_TYPES[body.reads_variables], inputs, [t.dtype for t in body.outputs],
             attrs={"f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name)),
