@@ -47,9 +47,11 @@ exactly what they compute without this pass):
   stateful op of the same group reads stay outside, so the call never feeds an
   op that feeds it);
 - ops with a resource, variant or reference-typed input or output, ops that
-  run functions of their own (v2 control flow), placeholders and ops computed
-  from constants alone (the session may feed them: a scale, a keep
-  probability), and constants (copied into each body that reads them);
+  run functions of their own (v2 control flow), placeholders, a forward
+  group's ops computed from constants alone (the session may feed them: a
+  scale, a keep probability; a backward group's, autodiff's shape arithmetic,
+  are in its body, `_members`), and constants (copied into each body that
+  reads them);
 - ops that would close a cycle: a call waits for all of its inputs, so two
   groups that read each other's values cannot both be calls. TensorFlow's
   autodiff puts the sums of a residual stream's gradients with the first
@@ -271,20 +273,28 @@ def variable_read(op: tf.Operation, device: str, host_variables: frozenset) -> b
 
 
 def _members(ops: list, deps: dict, device: str, host_variables: frozenset,
-             type_safe: dict) -> list:
+             type_safe: dict, phase: str) -> list:
     """The ops of one group a function can hold: the function-safe ones and the
-    variable reads on the group's device (`variable_read`), less those
-    computed from constants alone (a scale or a keep probability the script may feed:
-    a feed reaches what stays outside) and those a kept op of the group reads
-    (directly or through other members), so the call never feeds an op that feeds
-    it."""
-    # computed from constants and waiting for nothing of the group (the schedule's
-    # edges from other units may order it)
+    variable reads on the group's device (`variable_read`), less those a kept op of
+    the group reads (directly or through other members), so the call never feeds
+    an op that feeds it, and, in a forward group, less those computed from
+    constants alone (a scale or a keep probability the script may feed: a feed
+    reaches what stays outside).
+
+    A backward group's ops computed from constants (autodiff's shape arithmetic:
+    the InvertPermutation of each transpose's gradient, the shapes of reshapes and
+    broadcasts) join its body: they are nothing a script feeds (a feed of one is
+    refused, as of any tensor a call computes), and as graph ops they were a third
+    of a step's ops, one of each per unit (768 InvertPermutations of 3,848 graph ops
+    at 12 layers and 16 micro-batches, bench/startup.py's model)."""
     own, constant = set(ops), set()
-    for op in topological_order(ops):
-        if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
-                not any(c in own for c in op.control_inputs):
-            constant.add(op)
+    if phase != "backward":
+        # computed from constants and waiting for nothing of the group (the
+        # schedule's edges from other units may order it)
+        for op in topological_order(ops):
+            if all(plain_constant(t.op) or t.op in constant for t in op.inputs) and \
+                    not any(c in own for c in op.control_inputs):
+                constant.add(op)
     safe = [op for op in ops if op not in constant
             and (function_safe(op, type_safe) or variable_read(op, device, host_variables))]
     inside = set(safe)
@@ -313,8 +323,8 @@ def outline(graph: tf.Graph, groups: list, host_variables: frozenset = frozenset
     (`host_variables`: the variable ops the offload pass put on the host)."""
     deps = predecessors(graph)
     members, type_safe = {}, {}
-    for index, (_, _, device, ops) in enumerate(groups):
-        chosen = _members(ops, deps, device, host_variables, type_safe)
+    for index, (_, phase, device, ops) in enumerate(groups):
+        chosen = _members(ops, deps, device, host_variables, type_safe, phase)
         if len(chosen) > 1:
             members[index] = chosen
     kept = []
@@ -616,7 +626,12 @@ def _users(deps: dict) -> dict:
 def _move_between(deps: dict, members: dict) -> dict:
     """`members` with the ops of a group that lie on a path from another group back to
     that group moved into it, for every two groups on one cycle (repeated while any
-    move; what is left of a cycle, `_break_cycles` breaks).
+    move; what is left of a cycle, `_break_cycles` breaks). Of the two groups, the one
+    with fewer such ops gives them up (ties: the earlier group's), so every unit makes
+    the same move whatever order its cycles are found in: before, the 2-stage encoder
+    of tests/passes/test_pipeline.py moved a stage's weight gradients to the next stage
+    in three micro-batches and that stage's residual sum back in the last (one more
+    function).
 
     Why: TensorFlow's autodiff puts the sum of an op's gradients (an AddN) with the
     first of its summands, so the residual stream's gradient sums of every layer
@@ -631,27 +646,35 @@ def _move_between(deps: dict, members: dict) -> dict:
         group_of = {op: index for index, ops in members.items() for op in ops}
         moved = False
         for component in _components(_contracted_edges(deps, group_of)):
-            indices = [node for node in component if isinstance(node, int)]
-            for source in indices:
-                for target in indices:
-                    if source == target:
+            indices = sorted(node for node in component if isinstance(node, int))
+            for position, first in enumerate(indices):
+                for second in indices[position + 1:]:
+                    # either group's ops between the other's could move; the fewer move
+                    moves = [(len(between), source, target, between)
+                             for source, target in ((first, second), (second, first))
+                             for between in [_between(members, group_of, deps, users,
+                                                      source, target)] if between]
+                    if not moves:
                         continue
-                    inside = set(members[source])
-                    entering = [op for op in members[source]
-                                if any(group_of.get(d) == target for d in deps[op])]
-                    leaving = [op for op in members[source]
-                               if any(group_of.get(u) == target for u in users.get(op, ()))]
-                    between = _closure(entering, inside, users) & \
-                        _closure(leaving, inside, deps)
-                    if between:
-                        members[source] = [op for op in members[source] if op not in between]
-                        members[target] += sorted(between, key=lambda op: op._id)
-                        for op in between:
-                            group_of[op] = target
-                        moved = True
+                    _, source, target, between = min(moves, key=lambda move: move[0])
+                    members[source] = [op for op in members[source] if op not in between]
+                    members[target] += sorted(between, key=lambda op: op._id)
+                    for op in between:
+                        group_of[op] = target
+                    moved = True
         if not moved:
             break
     return {index: ops for index, ops in members.items() if len(ops) > 1}
+
+
+def _between(members: dict, group_of: dict, deps: dict, users: dict, source: int,
+             target: int) -> set:
+    """The ops of group `source` on a path from group `target` back to `target`."""
+    inside = set(members[source])
+    entering = [op for op in members[source] if any(group_of.get(d) == target for d in deps[op])]
+    leaving = [op for op in members[source]
+               if any(group_of.get(u) == target for u in users.get(op, ()))]
+    return _closure(entering, inside, users) & _closure(leaving, inside, deps)
 
 
 def _break_cycles(deps: dict, members: dict) -> tuple[dict, int, list]:

@@ -149,7 +149,7 @@ def test_training_steps_without_minimize_match_single_device(gradients_fn):
     assert parallel_graph(result[2]).plan.num_replicas == 2
 
 
-def test_a_hand_written_increment_waits_for_the_reads_built_before_it():
+def test_a_hand_written_increment_waits_for_the_reads_built_before_it(caplog):
     """The global step's increment waits for the learning rate's read of it (the annotate
     pass writes the order), so every replica's updates use this step's learning rate on
     any placement; the read inside the increment needs no edge.
@@ -158,7 +158,8 @@ def test_a_hand_written_increment_waits_for_the_reads_built_before_it():
     run the increment first; EPL keeps the order the script built them in, so the
     reference is the script with that order written out."""
     reference = _small_step(_decayed_then_ordered_increment, False, 8)
-    losses, values, graph = _small_step(_decayed_then_increment, True, 4)
+    with caplog.at_level("WARNING", logger="epl.passes.annotate"):
+        losses, values, graph = _small_step(_decayed_then_increment, True, 4)
     for name, value in reference[1].items():
         np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5, atol=1e-6)
@@ -169,6 +170,13 @@ def test_a_hand_written_increment_waits_for_the_reads_built_before_it():
     assert read.inputs[0].op is write.inputs[0].op      # the global step, both
     assert read in write.control_inputs
     assert read not in (t.op for t in write.inputs[1].op.inputs)
+    # the user is told which two ops were unordered, the order EPL chose, and how to choose
+    warned = [r.getMessage() for r in caplog.records if r.name == "epl.passes.annotate"]
+    assert warned == [
+        f"{write.name} writes a variable that {read.name}, built before it, reads in the same "
+        "step, and nothing orders the two: TensorFlow may run either first. EPL runs the read "
+        "first, in the order the script built them (as tf.function does); add "
+        "tf.control_dependencies to choose another order."]
 
 
 def test_gradient_penalty_inside_the_loss_is_not_a_step():

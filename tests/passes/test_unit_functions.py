@@ -8,9 +8,9 @@
 - The structure: the training step runs one call per (unit, stage, phase), the
   micro-batches of a stage share their functions, and no copy the calls replaced
   is left in what the step runs.
-- Feeds: a tensor computed from constants alone stays outside the functions, so
-  a feed of it reaches every unit; a feed of a tensor a function computes is
-  refused, naming the tensor.
+- Feeds: a forward tensor computed from constants alone stays outside the
+  functions, so a feed of it reaches every unit; a feed of a tensor a function
+  computes is refused, naming the tensor.
 """
 from __future__ import annotations
 
@@ -55,16 +55,15 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     # one call per (micro-batch, stage, phase)
     assert len(built) == micro * stages * 2
     functions = {op.get_attr("f").name for op in built}
-    # the micro-batches share them: per stage one forward function, and at most three
-    # backward ones whatever M is (micro-batch 0's, which starts the gradient sums; the
-    # others', which add into them; on this model the last micro-batch's backward is
-    # cut between the stages differently from the middle ones', so a third)
+    # the micro-batches share them: per stage one forward function and two backward
+    # ones whatever M is (micro-batch 0's, which starts the gradient sums; the others',
+    # which add into them)
     per_stage: dict = {}
     for op in built:
         key = (op.get_attr(TASKGRAPH_ATTR).decode(), op.get_attr(PHASE_ATTR).decode())
         per_stage.setdefault(key, set()).add(op.get_attr("f").name)
     for (_, phase), names in per_stage.items():
-        assert len(names) <= (1 if phase == Phase.FORWARD.value else min(micro, 3)), per_stage
+        assert len(names) == (1 if phase == Phase.FORWARD.value else 2), per_stage
     assert len(per_stage) == 2 * stages
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     assert all(library[name].attr[unit_functions.NOINLINE_ATTR].b for name in functions)
