@@ -403,11 +403,92 @@ def _user_terms(session, result: ParallelGraph, plan: _RunPlan, feed_dict):
         yield
     except tf.errors.OpError as err:
         path = _fed_path(feed_dict) if plan.saves or plan.restores else None
-        if isinstance(err, tf.errors.CancelledError):
-            err = _uninitialized_instead(session, result, err)
+        err = _cause_in_copies(session, result, err, feed_dict)
         raise run_errors.rewrite(err, result, _read_step(session),
                                  saving=path if plan.saves else None,
                                  restoring=path if plan.restores else None) from None
+
+
+# what a step's copies may hold and still run again with no effect on training: reading
+# variables and fed values (a draw from an iterator or a random op would move its stream)
+_RERUNNABLE_STATEFUL = frozenset({"VarHandleOp", "ReadVariableOp", "VarIsInitializedOp",
+                                  "Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+
+_RERUN_TRIES = 3
+
+_UNEXPLAINED = (
+    "This step ran EPL's unit functions (pipeline.unit_functions): when an op inside one "
+    "of them fails, TensorFlow may report the cancellation of the others instead of the "
+    "failure. If nothing else cancelled the step, TensorFlow's log above names the op that "
+    "failed (\"Local rendezvous is aborting with status: ...\"); with "
+    "pipeline.unit_functions set to False, this error is that op's.")
+
+
+def _cause_in_copies(session, result: ParallelGraph, err: tf.errors.OpError,
+                     feed_dict) -> tf.errors.OpError:
+    """The error of a failed step named by the op that failed, where it failed inside a
+    unit function's call (epl/passes/unit_functions.py).
+
+    TensorFlow names a failure inside a call by the call and the body's node ("n2"),
+    and it may not report the failure at all: it cancels the step's other calls and
+    transfers and may report one of those cancellations ("RecvAsync is cancelled")
+    instead, the failure only logged. So, for a cancelled step or an error raised by a
+    call:
+    - a cancelled step: a variable a call reads that is not initialized
+      (`_uninitialized_instead`);
+    - where the copies the calls replaced (unread in the graph) need only variables
+      and the run's feeds, the session runs them again with the same feeds, which
+      changes nothing, and returns the first error they raise: the failing op's own,
+      named as without unit functions;
+    - else a cancellation says what it may hide and where to look; a call's own
+      error stays as it is."""
+    calls = _unit_calls(result)
+    cancelled = isinstance(err, tf.errors.CancelledError)
+    if not calls or not (cancelled or err.op in calls):
+        return err
+    if cancelled:
+        cause = _uninitialized_instead(session, result, err)
+        if cause is not err:
+            return cause
+    copies = _rerunnable_copies(result, calls)
+    # the copies may read ops the pass kept outside, which read calls: the rerun runs
+    # those calls too, and which failure TensorFlow reports is a race again; a few tries
+    # (each changes nothing) find the failing op's own error
+    for _ in range(_RERUN_TRIES if copies else 0):
+        try:
+            _ORIGINAL["run"](session, copies, feed_dict)
+            break
+        except tf.errors.CancelledError:
+            continue
+        except tf.errors.OpError as found:
+            return found
+    if not cancelled:
+        return err
+    return tf.errors.CancelledError(err.node_def, err.op, "%s\n%s" % (err.message, _UNEXPLAINED))
+
+
+def _unit_calls(result: ParallelGraph) -> frozenset:
+    """The unit functions' call ops of `result`'s step (cached per graph)."""
+    calls = result.__dict__.get("_epl_unit_calls")
+    if calls is None:
+        calls = result.__dict__["_epl_unit_calls"] = frozenset(
+            t.op for t in result.unit_outputs.values())
+    return calls
+
+
+def _rerunnable_copies(result: ParallelGraph, calls: frozenset) -> list:
+    """The copies' tensors the unit functions' calls return (`ParallelGraph.unit_outputs`),
+    if everything they need is side-effect free to run again (_RERUNNABLE_STATEFUL, and
+    the `calls`, whose bodies only compute and read variables: a copy may read an op
+    the pass kept outside, which reads the calls); else []. Cached per graph."""
+    cached = result.__dict__.get("_epl_rerunnable_copies")
+    if cached is None:
+        copies = sorted(result.unit_outputs, key=lambda t: (t.op._id, t.value_index))
+        needed = ancestors([t.op for t in copies])
+        safe = all(not op.op_def.is_stateful or op.type in _RERUNNABLE_STATEFUL
+                   or op in calls for op in needed)
+        cached = result.__dict__["_epl_rerunnable_copies"] = copies if safe else []
+    return cached
 
 
 def _uninitialized_instead(session, result: ParallelGraph, err: tf.errors.CancelledError):

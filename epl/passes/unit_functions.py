@@ -63,7 +63,12 @@ exactly what they compute without this pass):
 The copies themselves stay in the graph unread (TensorFlow's graph API removes
 no op): a session runs only what its fetches need, so they cost nothing at run
 time, and a fetch of one of them (the session answers a fetch of a per-replica
-tensor with the first unit's copy) computes it from the same inputs. A feed
+tensor with the first unit's copy) computes it from the same inputs. The
+schedule's barriers (NoOps that wait for copies) stay with the copies too; the
+calls wait for twins of them (`_twin_barriers`), so the copies still run
+without any call: when an op inside a call fails, TensorFlow may report only
+the cancellation of the others, and the session runs the copies again to find
+the failing op (epl/hooks/session.py). A feed
 of a tensor a function now computes would have no effect on the step: the
 session refuses it (`UnitFunctions.outlined`, epl/hooks/session.py).
 
@@ -124,7 +129,8 @@ class UnitFunctions:
     with why; outputs: each copied tensor a call returns -> that output of the call
     (a fetch of it reads the call instead of running the unread copies);
     initialized: (variable op, its VarIsInitializedOp's output) for every variable a
-    call reads inside its body (`initialized_check`)."""
+    call reads inside its body (`initialized_check`); twins: each barrier NoOp that
+    waits for copies -> the NoOp that waits for the calls instead (`_twin_barriers`)."""
 
     calls: list
     functions: list
@@ -132,6 +138,7 @@ class UnitFunctions:
     kept: list
     outputs: dict = dataclasses.field(default_factory=dict)   # copy tensor -> call output
     initialized: list = dataclasses.field(default_factory=list)
+    twins: dict = dataclasses.field(default_factory=dict)
 
 
 class UnitFunctionsPass(GraphPass):
@@ -163,7 +170,8 @@ class UnitFunctionsPass(GraphPass):
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
                  f"{len(built.outlined)} copied ops moved into them"]
         notes += built.kept
-        return PassResult(added=[op.name for op in built.calls], notes=notes,
+        return PassResult(added=[op.name for op in built.calls + list(built.twins.values())],
+                          notes=notes,
                           modified=bool(built.calls))
 
 
@@ -345,6 +353,7 @@ def outline(graph: tf.Graph, groups: list, host_variables: frozenset = frozenset
             source = group_of.get(tensor.op)
             if source is not None and source != own:
                 bodies[source].give(tensor)
+    twins = _twin_barriers(graph, group_of)
     registered: dict = {}
     calls, replacement, call_of = [], {}, {}
     for index in order:
@@ -357,14 +366,14 @@ def outline(graph: tf.Graph, groups: list, host_variables: frozenset = frozenset
             definition.signature.name = name
             _register(graph, definition)
         unit, phase, device, _ = groups[index]
-        call = _call(graph, name, body, replacement, call_of, device, unit, phase)
+        call = _call(graph, name, body, replacement, call_of, twins, device, unit, phase)
         calls.append(call)
         call_of[index] = call
         for position, tensor in enumerate(body.outputs):
             replacement[tensor] = call.outputs[position]
-    _rewire(graph, group_of, replacement, call_of)
+    _rewire(graph, group_of, replacement, call_of, twins)
     return UnitFunctions(calls, sorted(set(registered.values())), frozenset(group_of), kept,
-                         replacement)
+                         replacement, twins=twins)
 
 
 class _Body:
@@ -518,8 +527,8 @@ def _register(graph: tf.Graph, definition: function_pb2.FunctionDef) -> None:
     graph._add_function(LibraryFunction(definition))
 
 
-def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: str, unit,
-          phase: str) -> tf.Operation:
+def _call(graph, name, body: _Body, replacement: dict, call_of: dict, twins: dict,
+          device: str, unit, phase: str) -> tf.Operation:
     """The PartitionedCall of function `name` for one group, on its device, tagged as its
     members are."""
     inputs = [replacement.get(t, t) for t in body.inputs]
@@ -543,10 +552,44 @@ def _call(graph, name, body: _Body, replacement: dict, call_of: dict, device: st
             graph_mutation.set_attr(call, key, first.node_def.attr[key])
     for out, tensor in zip(call.outputs, body.outputs):
         out.set_shape(tensor.shape)
-    controls = [call_of.get(body.group_of.get(c), c) for c in body.controls]
+    controls = [call_of.get(body.group_of.get(c), twins.get(c, c)) for c in body.controls]
     if controls:
         graph_mutation.add_control_inputs(call, controls)
     return call
+
+
+def _twin_barriers(graph: tf.Graph, group_of: dict) -> dict:
+    """{NoOp: its twin for the calls}: every NoOp outside the groups that waits for a
+    member, directly or through other such NoOps (the pipeline schedule's barriers).
+
+    The original keeps waiting for the copies, the twin waits for the calls, and
+    everything but the copies reads the twin (`_rewire`). So the copies, unread in
+    the graph, still run alone as they did before the pass, without a call among what
+    they need: the session runs them again to find the error a cancelled step hid
+    (epl/hooks/session.py, `_cancelled_cause`). The twins get their control inputs
+    in `_rewire`, once the calls exist."""
+    waiting: list = []
+    found: set = set()
+    candidates = [op for op in graph.get_operations()
+                  if op.type == "NoOp" and op not in group_of and op.control_inputs]
+    changed = True
+    while changed:
+        changed = False
+        for op in candidates:
+            if op not in found and any(c in group_of or c in found for c in op.control_inputs):
+                found.add(op)
+                waiting.append(op)
+                changed = True
+    twins = {}
+    with graph_mutation.clean_construction_context(graph):
+        for op in waiting:
+            twin = graph.create_op("NoOp", [], [], name=f"{op.name}_calls")
+            graph_mutation.set_device(twin, op.device)
+            for key in EPL_ATTRS:
+                if key in op.node_def.attr:
+                    graph_mutation.set_attr(twin, key, op.node_def.attr[key])
+            twins[op] = twin
+    return twins
 
 
 def _body_config() -> attr_value_pb2.AttrValue:
@@ -578,26 +621,33 @@ def _types(tensors: list) -> attr_value_pb2.AttrValue:
         type=[t.dtype.as_datatype_enum for t in tensors]))
 
 
-def _rewire(graph, group_of: dict, replacement: dict, call_of: dict) -> None:
-    """Every op outside the groups (the calls excepted) reads the calls' outputs and
-    waits for the calls instead of their members."""
+def _rewire(graph, group_of: dict, replacement: dict, call_of: dict, twins: dict) -> None:
+    """Every op outside the groups (the calls and the barriers with twins excepted)
+    reads the calls' outputs and waits for the calls instead of their members, and for
+    the twins instead of the barriers (`_twin_barriers`); each twin waits for what its
+    barrier waits for, calls for members and twins for barriers."""
     calls = set(call_of.values())
+    skipped = calls | set(twins.values())
     for op in graph.get_operations():
-        if op in group_of or op in calls:
+        if op in group_of or op in skipped:
             continue
         for index, tensor in enumerate(op.inputs):
             new = replacement.get(tensor)
             if new is not None:
                 graph_mutation.update_input(op, index, new)
         controls = op.control_inputs
-        if any(c in group_of for c in controls):
+        twin = twins.get(op)
+        if twin is not None or any(c in group_of or c in twins for c in controls):
             mapped = []
             for control in controls:
-                control = call_of.get(group_of.get(control), control)
+                control = call_of.get(group_of.get(control), twins.get(control, control))
                 if control not in mapped:
                     mapped.append(control)
-            graph_mutation.remove_all_control_inputs(op)
-            graph_mutation.add_control_inputs(op, mapped)
+            if twin is not None:   # the barrier itself stays with the copies
+                graph_mutation.add_control_inputs(twin, mapped)
+            else:
+                graph_mutation.remove_all_control_inputs(op)
+                graph_mutation.add_control_inputs(op, mapped)
 
 
 def _contracted_edges(deps: dict, group_of: dict):

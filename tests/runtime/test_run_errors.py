@@ -17,7 +17,9 @@ import tensorflow as tf
 
 from epl.checkpoint.damage import diagnose, last_good
 from epl.errors import CheckpointError
+from epl.hooks import session as session_hooks
 from epl.hooks.record import record_of
+from epl.hooks.session import parallel_graph
 from epl.runtime.run_errors import own_ops, user_names
 from multiworker import run_job, worker_script
 
@@ -116,6 +118,105 @@ def test_end_of_data_says_how_many_batches_a_step_draws(epl_env):
     ), message
     assert "EPL_" not in message
     assert info.value.op.name == "IteratorGetNext"
+
+
+# --------------------------------------------------------------------------
+# a failure inside a unit function's call (epl/passes/unit_functions.py)
+# --------------------------------------------------------------------------
+
+SEQ = 6
+
+
+def _masked_positions_model(epl_env):
+    """A TF1 masked-token model on 2 pipeline stages x 2 micro-batches, fed by
+    placeholders: stage 0 encodes the tokens, stage 1 gathers the masked positions'
+    vectors as BERT's gather_indexes does (a GatherV2, inside the stage's call) and
+    predicts the tokens there. Returns (train op, loss, placeholders)."""
+    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2})
+    import epl
+    tokens = tf.compat.v1.placeholder(tf.float32, [ROWS, SEQ, 3], name="tokens")
+    positions = tf.compat.v1.placeholder(tf.int32, [ROWS, 2], name="positions")
+    labels = tf.compat.v1.placeholder(tf.int32, [ROWS, 2], name="labels")
+    with epl.replicate(1, name="encoder"):
+        hidden = tf.compat.v1.layers.dense(tokens, 4, activation=tf.nn.tanh, name="encode")
+    with epl.replicate(1, name="head"):
+        flat = tf.reshape(hidden, [ROWS * SEQ, 4])
+        offsets = tf.reshape(tf.range(ROWS) * SEQ, [-1, 1])
+        picked = tf.gather(flat, tf.reshape(positions + offsets, [-1]))
+        logits = tf.compat.v1.layers.dense(picked, 5, name="predict")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.reshape(labels, [-1]), logits=logits))
+    train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return train, loss, (tokens, positions, labels)
+
+
+def _masked_feed(placeholders, position: int) -> dict:
+    tokens, positions, labels = placeholders
+    rows = 2 * ROWS   # both micro-batches' rows (io.batch_mode 'replica')
+    return {tokens: np.linspace(-1, 1, rows * SEQ * 3, dtype=np.float32).reshape(rows, SEQ, 3),
+            positions: np.full([rows, 2], position, np.int32),
+            labels: np.ones([rows, 2], np.int32)}
+
+
+def test_a_failure_inside_a_unit_function_names_the_users_op(epl_env):
+    # TensorFlow reports a failure inside a call as the call's body node, or only as
+    # the cancellation of the step's other calls ("RecvAsync is cancelled"); the
+    # session runs the copies again on the same feeds and raises the failing op's error
+    with tf.Graph().as_default() as graph:
+        train, loss, placeholders = _masked_positions_model(epl_env)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            assert np.isfinite(sess.run([train, loss], _masked_feed(placeholders, 1))[1])
+            assert parallel_graph(graph).unit_outputs   # the step runs calls
+            before = sess.run(tf.compat.v1.trainable_variables())
+            with pytest.raises(tf.errors.InvalidArgumentError) as info:
+                sess.run(train, _masked_feed(placeholders, 100))
+            after = sess.run(tf.compat.v1.trainable_variables())
+    message = str(info.value.message)
+    assert message.startswith("at an unknown global step (it cannot be read): TensorFlow's "
+                              "error, with your names for EPL's copies: "), message
+    assert re.search(r"indices\[\d+\] = 1\d\d is not in \[0, 24\)", message), message
+    assert re.search(r"GatherV2 \(replica 0, micro-batch [01]'s copy\)", message), message
+    assert "EPL_" not in message and "RecvAsync" not in message
+    for value, old in zip(after, before):   # neither the step nor the rerun updated
+        np.testing.assert_array_equal(value, old)
+
+
+def test_a_cancelled_step_says_what_it_may_hide(epl_env):
+    # a cancellation whose copies run again without error (nothing failed in them)
+    # changes nothing and says where the failure is; so does one whose copies draw
+    # from an iterator, which the session does not run again
+    with tf.Graph().as_default() as graph:
+        train, _, placeholders = _masked_positions_model(epl_env)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train, _masked_feed(placeholders, 1))
+            result = parallel_graph(graph)
+            before = sess.run(tf.compat.v1.trainable_variables())
+            feed = session_hooks._redirect_feeds(result, _masked_feed(placeholders, 1))
+            cancelled = tf.errors.CancelledError(None, None, "RecvAsync is cancelled.")
+            found = session_hooks._cause_in_copies(sess, result, cancelled, feed)
+            assert session_hooks._rerunnable_copies(result, session_hooks._unit_calls(result))
+            np.testing.assert_array_equal(sess.run(tf.compat.v1.trainable_variables())[0],
+                                          before[0])
+    assert isinstance(found, tf.errors.CancelledError)
+    assert found.message == (
+        "RecvAsync is cancelled.\nThis step ran EPL's unit functions "
+        "(pipeline.unit_functions): when an op inside one of them fails, TensorFlow may "
+        "report the cancellation of the others instead of the failure. If nothing else "
+        "cancelled the step, TensorFlow's log above names the op that failed (\"Local "
+        "rendezvous is aborting with status: ...\"); with pipeline.unit_functions set to "
+        "False, this error is that op's.")
+    with tf.Graph().as_default() as graph:
+        train = _model(epl_env)   # a tf.data input
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            result = parallel_graph(graph)
+            assert result.unit_outputs and not session_hooks._rerunnable_copies(result, session_hooks._unit_calls(result))
+            found = session_hooks._cause_in_copies(sess, result, cancelled, {})
+    assert found.message == (
+        "RecvAsync is cancelled.\n" + session_hooks._UNEXPLAINED)
 
 
 # --------------------------------------------------------------------------
