@@ -34,6 +34,17 @@ EPL_ATTRS = frozenset((TASKGRAPH_ATTR, PHASE_ATTR, REPLICA_ATTR, MICRO_BATCH_ATT
                        RECOMPUTE_SHAPE_ATTR, SCHEDULE_EDGE_ATTR, DUMP_ELIDED_ATTR))
 
 
+def taskgraph_tag(op) -> str | None:
+    """The TaskGraph a `tf.Operation` is tagged with (`TASKGRAPH_ATTR`), None when
+    untagged. It reads the attribute alone (`op.node_def` would serialize the whole
+    NodeDef, constant values included); code that reads the NodeDef anyway (the
+    analysis, epl/ir/graph_view.py) takes the tag from there."""
+    try:
+        return op.get_attr(TASKGRAPH_ATTR).decode()
+    except ValueError:
+        return None
+
+
 class Phase(str, enum.Enum):
     """Which part of a training step an op belongs to."""
 

@@ -100,7 +100,7 @@ from tensorflow.python.client import pywrap_tf_session as c_api
 from tensorflow.python.framework import c_api_util
 
 from epl.ir import graph_mutation
-from epl.ir.annotations import EPL_ATTRS, PHASE_ATTR, TASKGRAPH_ATTR, UNIT_TAGS, Phase
+from epl.ir.annotations import EPL_ATTRS, PHASE_ATTR, TASKGRAPH_ATTR, UNIT_TAGS, Phase, taskgraph_tag
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
 from epl.ir.graph_view import TrainingView, output_args, predecessors, topological_order
 from epl.passes.manager import GraphPass, PassContext, PassResult
@@ -224,21 +224,13 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
             for op in ops:
                 if not op.device:
                     continue
-                taskgraph = _taskgraph(op)
+                taskgraph = taskgraph_tag(op)
                 key = (taskgraph, op.device if taskgraph in split_taskgraphs else None)
                 by_key.setdefault(key, []).append(op)
             for members in by_key.values():
                 devices = collections.Counter(op.device for op in members)
                 groups.append((unit, phase, devices.most_common(1)[0][0], members))
     return groups
-
-
-def _taskgraph(op: tf.Operation) -> str | None:
-    """The TaskGraph `op` is tagged with (None: untagged)."""
-    try:
-        return op.get_attr(TASKGRAPH_ATTR).decode()
-    except ValueError:
-        return None
 
 
 def function_safe(op: tf.Operation, type_safe: dict) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl.errors import PassError
-from epl.ir.annotations import TASKGRAPH_ATTR, Phase
+from epl.ir.annotations import TASKGRAPH_ATTR, Phase, taskgraph_tag
 from epl.ir.clone import created_complete
 from epl.ir.consistency import WriteKind, is_random, varying_writes
 from epl.ir.graph_view import TrainingView, ancestors, predecessors
@@ -33,8 +33,7 @@ MAX_LISTED = 10
 
 def _describe(op: tf.Operation) -> str:
     shape = op.outputs[0].shape if op.outputs else "()"
-    attr = op.node_def.attr.get(TASKGRAPH_ATTR)
-    taskgraph = attr.s.decode() if attr is not None else "none"
+    taskgraph = taskgraph_tag(op) or "none"
     return f"{op.name} (type {op.type}, shape {shape}, TaskGraph {taskgraph}, device {op.device or 'unset'})"
 
 

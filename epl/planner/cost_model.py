@@ -68,7 +68,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
+from epl.ir.annotations import PHASE_ATTR, taskgraph_tag
 # The TF-free half (costs as numbers, roofline time, ring all-reduce,
 # optimizer slots), re-exported: `epl.planner.roofline`.
 from epl.planner.roofline import (APPLY_OPS, DEFAULT_EFFICIENCY,  # noqa: F401
@@ -131,7 +131,7 @@ def op_attr(op: tf.Operation, name: str, default: Any = None) -> Any:
 
 def taskgraph_of(op: tf.Operation) -> Any:
     """The op's `_epl_taskgraph` attribute, or None when untagged."""
-    return op_attr(op, TASKGRAPH_ATTR)
+    return taskgraph_tag(op)
 
 
 def phase_of(op: tf.Operation) -> str:

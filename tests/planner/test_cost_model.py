@@ -8,6 +8,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from epl.errors import ConfigError
+from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR
 from epl.planner import cost_model as cm
 from epl.planner import step_memory as sm
 from epl.planner.profiles import get_profile
@@ -23,8 +24,8 @@ def _graph():
 @contextlib.contextmanager
 def _tagged(graph, phase, taskgraph="stage_0"):
     """Tag ops created inside with EPL's phase and TaskGraph attributes."""
-    attrs = {cm.PHASE_ATTR: attr_value_pb2.AttrValue(s=phase.encode()),
-             cm.TASKGRAPH_ATTR: attr_value_pb2.AttrValue(s=taskgraph.encode())}
+    attrs = {PHASE_ATTR: attr_value_pb2.AttrValue(s=phase.encode()),
+             TASKGRAPH_ATTR: attr_value_pb2.AttrValue(s=taskgraph.encode())}
     with graph._attr_scope(attrs):
         yield
 

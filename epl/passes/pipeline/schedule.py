@@ -48,7 +48,7 @@ import tensorflow as tf
 from epl.errors import ParallelizeError
 from epl.ir import graph_mutation
 from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, SCHEDULE_EDGE_ATTR,
-                                TASKGRAPH_ATTR, Phase)
+                                TASKGRAPH_ATTR, Phase, taskgraph_tag)
 from epl.ir.clone import plain_constant
 from epl.ir.graph_view import TrainingView, ancestors
 from epl.passes.manager import GraphPass, PassContext, PassResult
@@ -77,8 +77,8 @@ class ScheduleLowering:
 
 
 def _stage_index(op: tf.Operation, stages: dict) -> int | None:
-    attr = op.node_def.attr.get(TASKGRAPH_ATTR)
-    return stages.get(attr.s.decode()) if attr is not None else None
+    taskgraph = taskgraph_tag(op)
+    return stages.get(taskgraph) if taskgraph is not None else None
 
 
 def check_stage_order(view) -> None:
@@ -161,7 +161,7 @@ def stage_boundaries(forward_copies: dict, stages: dict) -> dict:
     """(from stage, to stage) -> forward tensors crossing between the stages."""
     boundaries: dict = {}
     copies = set(forward_copies.values())
-    stage_of = {op: _stage_index(op, stages) for op in copies}  # one NodeDef read per copy
+    stage_of = {op: _stage_index(op, stages) for op in copies}  # one tag read per copy
     for op in copies:
         to_stage = stage_of[op]
         for tensor in op.inputs:

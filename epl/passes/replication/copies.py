@@ -28,7 +28,8 @@ from tensorflow.core.framework import node_def_pb2
 
 from epl.passes.recompute import checkpoints as recompute
 from epl.ir import graph_mutation
-from epl.ir.annotations import MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, REPLICA_ATTR, TASKGRAPH_ATTR, Phase,
+                                taskgraph_tag)
 from epl.passes.replication.backward_copy import TemplateBackward
 from epl.ir.clone import (NodeBatch, OpCopier, clone_ops, give_own_functions,
                           replace_control_inputs, replace_input)
@@ -319,10 +320,10 @@ def tag_backward(ops, replica: int, fallback_device: str, micro_batch: int | Non
             (producer for producer in producers if _int_attr(producer, REPLICA_ATTR) == replica),
             None) or next(
             (producer for producer in producers
-             if _string_attr(producer, TASKGRAPH_ATTR) is not None), None)
-        taskgraph = _string_attr(source, TASKGRAPH_ATTR) if source is not None else None
+             if taskgraph_tag(producer) is not None), None)
+        taskgraph = taskgraph_tag(source) if source is not None else None
         if taskgraph is not None:
-            graph_mutation.set_attr(op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph))
+            graph_mutation.set_attr(op, TASKGRAPH_ATTR, tf.compat.v1.AttrValue(s=taskgraph.encode()))
         graph_mutation.set_device(
             op, source.device if source is not None and source.device else fallback_device)
 
@@ -335,13 +336,6 @@ def _int_attr(op: tf.Operation, name: str) -> int | None:
         return None
 
 
-def _string_attr(op: tf.Operation, name: str) -> bytes | None:
-    """op's string attribute `name`, or None (read alone: op.node_def would
-    serialize the whole NodeDef, constant values included)."""
-    try:
-        return op.get_attr(name)
-    except ValueError:
-        return None
 
 
 def _shape_node(const: tf.Operation, source: str, source_dtype: tf.DType, name: str, device: str,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from epl.errors import ParallelizeError
 from epl.passes.split.layouts import Full, Pending, Sharded, is_full
 from epl.passes.split.rewriter import Rewriter, as_sharded, handle_input
 from epl.passes.split.rules import rule

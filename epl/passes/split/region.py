@@ -1,7 +1,7 @@
 """The split pass's regions: which ops and variables each split TaskGraph rewrites
 (epl/passes/split/split.py describes the pass).
 
-`taskgraph_of` (an op's TaskGraph tag), `follow_inputs` (the untagged ops on the
+`follow_inputs` (the untagged ops on the
 path to the loss that follow a TaskGraph, and so belong to its region) and
 `owned_variables` (the variables each split TaskGraph shards).
 """
@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from epl.ir.annotations import TASKGRAPH_ATTR
+from epl.ir.annotations import taskgraph_tag
 from epl.ir.graph_view import VARIABLE_OP_TYPES
-
-
-def taskgraph_of(op: tf.Operation) -> str | None:
-    attr = op.node_def.attr.get(TASKGRAPH_ATTR)
-    return attr.s.decode() if attr is not None else None
 
 
 def follow_inputs(path: set, taskgraphs: list) -> dict:
@@ -30,7 +25,7 @@ def follow_inputs(path: set, taskgraphs: list) -> dict:
     resolved: dict = {}      # op on the path -> its TaskGraph name (tagged or followed)
     followers: dict = {}
     for op in sorted(path, key=lambda o: o._id):   # creation order: inputs first
-        name = taskgraph_of(op)
+        name = taskgraph_tag(op)
         if name is None and op.type not in VARIABLE_OP_TYPES:
             names = [resolved[t.op] for t in op.inputs if t.op in resolved]
             if names:
@@ -78,9 +73,9 @@ def _user_taskgraphs(variable_op: tf.Operation) -> set:
     users = set()
     for consumer in variable_op.outputs[0].consumers():
         if consumer.type in ("ReadVariableOp", "Identity", "ResourceGather"):
-            users.update(taskgraph_of(op) for out in consumer.outputs for op in out.consumers())
+            users.update(taskgraph_tag(op) for out in consumer.outputs for op in out.consumers())
             if consumer.type == "ResourceGather":
-                users.add(taskgraph_of(consumer))
+                users.add(taskgraph_tag(consumer))
     return users
 
 

@@ -90,15 +90,14 @@ import dataclasses
 import tensorflow as tf
 
 from epl.ir import graph_mutation
-from epl.ir.annotations import SPLIT_REPLACED_ATTR
+from epl.ir.annotations import SPLIT_REPLACED_ATTR, taskgraph_tag
 from epl.ir.graph_view import ancestors, descendants, find_batch_inputs
 from epl.ir.record import GraphRecord
 from epl.passes.manager import GraphPass, PassContext, PassResult
 # the rule families: importing them registers their rules
 from epl.passes.split import einsum, elementwise, embedding, matmul, softmax  # noqa: F401
 from epl.passes.split.layouts import SplitRecord
-from epl.passes.split.region import (follow_inputs, owned_captured_variables, owned_variables,
-                                     taskgraph_of)
+from epl.passes.split.region import follow_inputs, owned_captured_variables, owned_variables
 from epl.passes.split.rewriter import Rewriter
 from epl.planner.worker_planner import WorkerPlanner
 
@@ -165,7 +164,7 @@ class SplitPass(GraphPass):
         tagged_of = {tg.name: [] for tg in todo}
         followers = follow_inputs(path, record_of_graph.taskgraphs)
         for op in graph.get_operations():
-            name = taskgraph_of(op) or followers.get(op)
+            name = taskgraph_tag(op) or followers.get(op)
             if name in tagged_of:
                 tagged_of[name].append(op)
         captured = ctx.get(SplitInputs).captured
