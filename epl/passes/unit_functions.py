@@ -72,6 +72,21 @@ the failing op (epl/hooks/session.py). A feed
 of a tensor a function now computes would have no effect on the step: the
 session refuses it (`UnitFunctions.outlined`, epl/hooks/session.py).
 
+What the first step still pays per unit (measured with `perf` on bench/startup.py's
+model, 12 layers, 64 micro-batches, 256 calls, 189,176 ops of which the step runs
+5,481 with the initializer; issue 29): the unread copies, which a session with
+`place_pruned_graph` converts from the whole GraphDef at every new run signature
+(the initializer's run and the first step: the step's ops alone in a fresh graph
+took 0.48 s instead of 3.85 s to initialize, and 6.35 s instead of 8.46 s for
+the first step); and TensorFlow's XLA pass `EncapsulateSubgraphsPass`, registered
+whether XLA is used or not, which converts every call's body into a graph twice
+per call node to look for reference variables in it (about 2 s of CPU time; a
+direct function call instead of `PartitionedCall` is looked into the same way).
+The first goes away once the replicate pass stops copying what the calls
+replace (each stage's functions built once from the template, only the calls
+emitted per unit); the second grows with the calls times their bodies, and
+shrinks only with fewer call nodes.
+
 On by default (`pipeline.unit_functions: False` runs the copies). The calls
 compute what the copies compute, but not always with the same rounding:
 Grappler's arithmetic optimizer rewrites the session's graph, where it
