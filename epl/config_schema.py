@@ -159,8 +159,11 @@ SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("pipeline.unit_functions", "bool", True,
             "Run each micro-batch's and replica's stage forward and backward as one call "
             "of a function they share (the unit_functions pass), so TensorFlow optimizes "
-            "each stage once instead of once per copy: a faster first step with many "
-            "micro-batches; the numbers may differ from the copies by float rounding "
+            "each stage once instead of once per copy: a faster first step and less "
+            "memory with many micro-batches, for a longer rewrite (the pass reads the "
+            "copies it replaces; on bench/startup.py's encoder rewrite plus first step "
+            "is about the copies' at 64 micro-batches and longer at 16); the numbers "
+            "may differ from the copies by float rounding "
             "(Grappler reassociates arithmetic across a call's boundary differently). Off: "
             "the copies run. Not for tf.function steps."),
     # gradient_checkpoint
