@@ -398,6 +398,11 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     if functions is not None:
         result.outlined, result.unit_outputs = functions.outlined, dict(functions.outputs)
         result.initialized = list(functions.initialized)
+        if result.gradient_check is not None:   # the checkpointed gradients the step computes
+            reference, checkpointed = result.gradient_check
+            result.gradient_check = (reference, [None if g is None else
+                                                 functions.outputs.get(g, g)
+                                                 for g in checkpointed])
     result.ops_after_rewrite = len(graph.get_operations())
     result.origins = copy_origins(replication)
     result.pass_spans = list(ctx.op_spans)

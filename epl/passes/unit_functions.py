@@ -63,7 +63,10 @@ exactly what they compute without this pass):
 The copies themselves stay in the graph unread (TensorFlow's graph API removes
 no op): a session runs only what its fetches need, so they cost nothing at run
 time, and a fetch of one of them (the session answers a fetch of a per-replica
-tensor with the first unit's copy) computes it from the same inputs. The
+tensor with the first unit's copy) computes it from the same inputs. The step's
+updates wait for the first unit's copied variable reads (`order_fetched_reads`),
+so such a fetch reads the weights the calls read, not the updated ones: one read
+per variable of the first unit runs in every step. The
 schedule's barriers (NoOps that wait for copies) stay with the copies too; the
 calls wait for twins of them (`_twin_barriers`), so the copies still run
 without any call: when an op inside a call fails, TensorFlow may report only
@@ -117,7 +120,9 @@ from tensorflow.python.framework import c_api_util
 from epl.ir import graph_mutation
 from epl.ir.annotations import EPL_ATTRS, PHASE_ATTR, TASKGRAPH_ATTR, UNIT_TAGS, Phase, taskgraph_tag
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
-from epl.ir.graph_view import TrainingView, output_args, predecessors, topological_order
+from epl.ir.consistency import written_variable
+from epl.ir.graph_view import (TrainingView, ancestors, output_args, predecessors,
+                               topological_order)
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.offload import Offloaded
 from epl.passes.pipeline.accumulate import Accumulation
@@ -154,6 +159,7 @@ class UnitFunctions:
     outputs: dict = dataclasses.field(default_factory=dict)   # copy tensor -> call output
     initialized: list = dataclasses.field(default_factory=list)
     twins: dict = dataclasses.field(default_factory=dict)
+    ordered_reads: int = 0   # control edges added by `order_fetched_reads`
 
 
 class UnitFunctionsPass(GraphPass):
@@ -180,10 +186,15 @@ class UnitFunctionsPass(GraphPass):
                                            accumulation.finishing if accumulation else ()),
                         offloaded.variables if offloaded else frozenset())
         built.initialized = initialized_check(graph, built.calls)
+        built.ordered_reads = order_fetched_reads(replication, built)
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
                  f"{len(built.outlined)} copied ops moved into them"]
+        if built.ordered_reads:
+            notes.append(f"{built.ordered_reads} update(s) of the step wait for the first "
+                         "unit's copied variable reads (a fetch of its copies reads the "
+                         "variables before the update, as the calls do)")
         notes += built.kept
         return PassResult(added=[op.name for op in built.calls + list(built.twins.values())],
                           notes=notes,
@@ -527,6 +538,60 @@ def initialized_check(graph: tf.Graph, calls: list) -> list:
                 s=Phase.OTHER.value.encode()))
             checks.append((variable, check))
     return checks
+
+
+def order_fetched_reads(replication: Replication, built: UnitFunctions) -> int:
+    """Make every update of the step wait for the first unit's copied variable reads
+    that a call replaced; returns how many control edges it added.
+
+    Why: the session answers a fetch of a per-replica tensor with the first unit's
+    copy (epl/hooks/session.py), and a copy that no call returns (an activation
+    only its own group reads) is computed by the copies, which stay in the graph
+    unread. Their reads of the variables were ordered before the step's updates by
+    the data they fed (the gradients); outlined, they feed nothing the update
+    reads, and TensorFlow's executor may run them after it: `sess.run([train_op,
+    pre_activation])` returned, once in about 180 steps on a loaded machine, an
+    activation computed from the updated weights, and the gradient check
+    (gradient_checkpoint.check_gradients) compared the checkpointed gradients
+    with such a copy's. With these edges a fetch reads what the step's own calls
+    read, as in single-device TensorFlow. Only the first unit's copies are fetched,
+    so the step runs one more read per variable that unit reads, whatever the
+    number of units (no more than single-device TensorFlow's own reads).
+
+    The updates are the step's writes of those variables (`written_variable`)
+    that wait for a call: the initializers and a Saver's restores run without the
+    step and stay as they are. A write the read itself waits for (a control
+    dependency the script wrote) keeps its order."""
+    if not built.calls or not replication.units():
+        return 0
+    first = replication.units()[0]
+    copied = list(replication.forward_copies.get(first, {}).values()) + \
+        list(replication.backward_ops.get(first, []))
+    reads = [op for op in copied if op in built.outlined and op.type == "ReadVariableOp"]
+    if not reads:
+        return 0
+    by_variable: dict = {}
+    for read in reads:
+        by_variable.setdefault(read.inputs[0].op, []).append(read)
+    step: set = set()
+    stack = list(built.calls)
+    while stack:   # what the step runs after its calls (data and control edges)
+        op = stack.pop()
+        for nxt in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:
+            if nxt not in step:
+                step.add(nxt)
+                stack.append(nxt)
+    before = ancestors(reads)
+    edges = 0
+    for write in sorted(step, key=lambda op: op._id):
+        variable = written_variable(write)
+        if variable is None or variable not in by_variable or write in before:
+            continue
+        waiting = [read for read in by_variable[variable] if read not in write.control_inputs]
+        if waiting:
+            graph_mutation.add_control_inputs(write, waiting)
+            edges += len(waiting)
+    return edges
 
 
 def _register(graph: tf.Graph, definition: function_pb2.FunctionDef) -> None:

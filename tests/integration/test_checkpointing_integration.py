@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import epl
+from epl.passes import unit_functions
 from epl.passes.recompute.checkpoints import RECOMPUTE_ATTR
 
 
@@ -69,6 +70,10 @@ def test_check_gradients_reports_the_largest_difference(models, epl_env):
         built = models.build("transformer", "sgd")
         result = epl.parallelize(graph)
         assert result.gradient_check is not None
+        # the checkpointed gradients compared are the ones the step computes: the
+        # unit functions' calls return them (their unread copies are not fetched)
+        assert all(g.op.type in unit_functions.CALL_TYPES
+                   for g in result.gradient_check[1] if g is not None)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             assert result.gradient_check_max_diff is None

@@ -6,8 +6,9 @@
   batches, both schedules, Adam) and for a data-parallel TF1 model with dropout
   (a stateful random op, which stays outside the functions).
 - The structure: the training step runs one call per (unit, stage, phase), the
-  micro-batches of a stage share their functions, and no copy the calls replaced
-  is left in what the step runs.
+  micro-batches of a stage share their functions, and of the copies the calls
+  replaced it runs only the first unit's variable reads, before the updates (a
+  fetch of the first unit's copies reads what the calls read).
 - Feeds: a forward tensor computed from constants alone stays outside the
   functions, so a feed of it reaches every unit; a feed of a tensor a function
   computes is refused, naming the tensor.
@@ -67,11 +68,17 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     assert len(per_stage) == 2 * stages
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     assert all(library[name].attr[unit_functions.NOINLINE_ATTR].b for name in functions)
-    # the step runs the calls, none of the copies they replaced
+    # the step runs the calls, none of the copies they replaced but the first unit's
+    # variable reads (before the updates: a fetch of its copies reads what the calls read)
     assert not any(op.type in unit_functions.CALL_TYPES for op in copies.graph.get_operations())
     step = ancestors(list(result.view.train_ops))
     assert set(built) <= step
-    assert result.outlined and not step & result.outlined
+    first = result.replication.units()[0]
+    first_copies = set(result.replication.forward_copies[first].values()) | \
+        set(result.replication.backward_ops[first])
+    assert result.outlined and step & result.outlined
+    assert all(op.type == "ReadVariableOp" and op in first_copies
+               for op in step & result.outlined)
 
 
 def _dropout_run(config: dict | None, steps: int = 3, inputs: str = "placeholder"):
@@ -174,3 +181,69 @@ def _scaled_run(config: dict) -> list:
 def test_a_fed_tensor_computed_from_constants_reaches_every_unit():
     layout = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2}
     assert _scaled_run({**layout, **ON}) == _scaled_run(layout)
+
+
+def _first_unit_reads_before_updates(result) -> None:
+    """Every read of a variable in the first unit's copies that a call replaced (what
+    a fetch of its tensors runs) comes before each update of that variable."""
+    replication = result.replication
+    first = replication.units()[0]
+    copied = list(replication.forward_copies[first].values()) + \
+        list(replication.backward_ops.get(first, []))
+    reads = [op for op in copied if op in result.outlined and op.type == "ReadVariableOp"]
+    assert reads
+    updates = [op for op in result.graph.get_operations() if op.type.startswith("ResourceApply")]
+    assert updates
+    for update in updates:
+        before = ancestors([update])
+        for read in reads:
+            if read.inputs[0].op is update.inputs[0].op:
+                assert read in before, (read.name, update.name)
+
+
+def test_a_fetched_activation_is_computed_from_the_weights_before_the_update():
+    """`sess.run([train_op, activation])` returns the activation computed from the
+    weights the step trained on, as single-device TensorFlow does. The activation (a
+    dense layer's pre-activation, read by nothing outside its own forward) is no call
+    output: the session computes it from the first unit's copies, whose variable reads
+    are no longer on the way to the update, so the pass orders them before it. Without
+    that order a loaded machine returned, about once in 180 steps, an activation
+    computed from the updated weights (and the gradient check compared such a copy)."""
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2, **ON}))
+    rng = np.random.RandomState(0)
+    data, targets = rng.randn(16, 8).astype(np.float32), rng.randn(16, 1).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [8, 1], name="y")
+        hidden = x
+        for i in range(3):
+            hidden = tf.compat.v1.layers.dense(
+                hidden, 32, activation=tf.nn.relu, name=f"dense_{i}",
+                kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=i))
+        pre_activation = graph.get_tensor_by_name("dense_2/BiasAdd:0")
+        out = tf.compat.v1.layers.dense(hidden, 1, name="out")
+        loss = tf.reduce_mean(tf.square(out - y))
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        weights = tf.compat.v1.trainable_variables()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(20):
+                values = sess.run(weights)
+                _, got = sess.run([train_op, pre_activation], {x: data, y: targets})
+                expected = data[:8]   # replica 0's rows
+                for i in range(3):
+                    pre = expected @ values[2 * i] + values[2 * i + 1]
+                    expected = np.maximum(pre, 0)
+                np.testing.assert_allclose(got, pre, rtol=1e-4, atol=1e-5)
+        result = parallel_graph(graph)
+        copy = result.replication.copy_in(pre_activation, result.replication.units()[0])
+        assert copy.op in result.outlined and copy not in result.unit_outputs   # the copies'
+        _first_unit_reads_before_updates(result)
+    env.reset()
+
+
+def test_the_first_units_reads_come_before_the_updates_in_a_pipeline(epl_env):
+    epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2, **ON})
+    trained = train_encoder(layers=2, stages=2, optimizer="adam", steps=1)
+    _first_unit_reads_before_updates(parallel_graph(trained.graph))
