@@ -110,9 +110,10 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
     # per replica, its forward and its backward as one call each (the forward reads the
     # variables in its body: a StatefulPartitionedCall); the update ops and the loss's
     # merge read the calls (changed); per variable a call reads (4 per replica), whether
-    # it is initialized, asked only after a cancelled step
+    # it is initialized, asked only after a cancelled step; the 4 updates wait for the
+    # first replica's copied reads (changed: a fetch of its copies reads the old weights)
     "unit_functions": ({"PartitionedCall": 2, "StatefulPartitionedCall": 2,
-                        "VarIsInitializedOp": 8}, 9),
+                        "VarIsInitializedOp": 8}, 13),
 }
 
 
