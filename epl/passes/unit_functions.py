@@ -575,10 +575,10 @@ def order_fetched_reads(replication: Replication, built: UnitFunctions) -> int:
         by_variable.setdefault(read.inputs[0].op, []).append(read)
     step: set = set()
     stack = list(built.calls)
-    while stack:   # what the step runs after its calls (data and control edges)
-        op = stack.pop()
+    while stack:   # what the step runs after its calls (data and control edges; the
+        op = stack.pop()   # unread copies write nothing and are no part of it)
         for nxt in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:
-            if nxt not in step:
+            if nxt not in step and nxt not in built.outlined:
                 step.add(nxt)
                 stack.append(nxt)
     before = ancestors(reads)
