@@ -172,6 +172,20 @@ def descendants(tensors, within: set | None = None) -> set[tf.Operation]:
     return seen
 
 
+def successors(starts, outside: frozenset | set = frozenset()) -> set[tf.Operation]:
+    """`starts` and every op reachable from them through data and control edges,
+    not through the ops in `outside`."""
+    seen = set(starts)
+    stack = list(seen)
+    while stack:
+        op = stack.pop()
+        for successor in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:
+            if successor not in seen and successor not in outside:
+                seen.add(successor)
+                stack.append(successor)
+    return seen
+
+
 def predecessors(graph: tf.Graph) -> dict:
     """op -> the ops it reads (data inputs, then control inputs), in graph order.
 

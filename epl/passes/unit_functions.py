@@ -122,7 +122,7 @@ from epl.ir.annotations import EPL_ATTRS, PHASE_ATTR, TASKGRAPH_ATTR, UNIT_TAGS,
 from epl.ir.clone import COLOCATION_ATTR, plain_constant
 from epl.ir.consistency import written_variable
 from epl.ir.graph_view import (TrainingView, ancestors, output_args, predecessors,
-                               topological_order)
+                               successors, topological_order)
 from epl.passes.manager import GraphPass, PassContext, PassResult
 from epl.passes.offload import Offloaded
 from epl.passes.pipeline.accumulate import Accumulation
@@ -159,7 +159,6 @@ class UnitFunctions:
     outputs: dict = dataclasses.field(default_factory=dict)   # copy tensor -> call output
     initialized: list = dataclasses.field(default_factory=list)
     twins: dict = dataclasses.field(default_factory=dict)
-    ordered_reads: int = 0   # control edges added by `order_fetched_reads`
 
 
 class UnitFunctionsPass(GraphPass):
@@ -186,13 +185,13 @@ class UnitFunctionsPass(GraphPass):
                                            accumulation.finishing if accumulation else ()),
                         offloaded.variables if offloaded else frozenset())
         built.initialized = initialized_check(graph, built.calls)
-        built.ordered_reads = order_fetched_reads(replication, built)
+        ordered = order_fetched_reads(replication, built)
         ctx.provide(built)
         distinct = len(built.functions)
         notes = [f"{len(built.calls)} unit groups as calls of {distinct} function(s); "
                  f"{len(built.outlined)} copied ops moved into them"]
-        if built.ordered_reads:
-            notes.append(f"{built.ordered_reads} update(s) of the step wait for the first "
+        if ordered:
+            notes.append(f"{ordered} control edge(s): the step's updates wait for the first "
                          "unit's copied variable reads (a fetch of its copies reads the "
                          "variables before the update, as the calls do)")
         notes += built.kept
@@ -573,14 +572,8 @@ def order_fetched_reads(replication: Replication, built: UnitFunctions) -> int:
     by_variable: dict = {}
     for read in reads:
         by_variable.setdefault(read.inputs[0].op, []).append(read)
-    step: set = set()
-    stack = list(built.calls)
-    while stack:   # what the step runs after its calls (data and control edges; the
-        op = stack.pop()   # unread copies write nothing and are no part of it)
-        for nxt in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:
-            if nxt not in step and nxt not in built.outlined:
-                step.add(nxt)
-                stack.append(nxt)
+    # what the step runs after its calls (the unread copies write nothing)
+    step = successors(built.calls, outside=built.outlined)
     before = ancestors(reads)
     edges = 0
     for write in sorted(step, key=lambda op: op._id):

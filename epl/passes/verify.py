@@ -21,7 +21,7 @@ from epl.errors import PassError
 from epl.ir.annotations import TASKGRAPH_ATTR, Phase, taskgraph_tag
 from epl.ir.clone import created_complete
 from epl.ir.consistency import WriteKind, is_random, varying_writes
-from epl.ir.graph_view import TrainingView, ancestors, predecessors
+from epl.ir.graph_view import TrainingView, ancestors, predecessors, successors
 from epl.passes.gradient_comm import ReducedGradients
 from epl.passes.gradient_flow import ReplicaGradients
 from epl.passes.consistency import REMEDY, ConsistentValues
@@ -78,7 +78,7 @@ def check_acyclic(graph: tf.Graph, preds: dict | None = None) -> None:
     back = _back_edges(preds)
     if not back:
         return
-    reached = _successors_closure([consumer for _, consumer in back])
+    reached = successors([consumer for _, consumer in back])
     suspects = _predecessors_closure([p for p, _ in back if p in reached], preds, within=reached)
     if suspects and _unsorted([op for op in preds if op in suspects], preds):
         _fail("the graph has a cycle through these ops", _unsorted(list(preds), preds),
@@ -90,19 +90,6 @@ def _back_edges(preds: dict) -> list:
     position = {op: i for i, op in enumerate(preds)}
     return [(producer, op) for i, (op, producers) in enumerate(preds.items())
             for producer in producers if position[producer] >= i]
-
-
-def _successors_closure(starts: list) -> set:
-    """`starts` and every op reachable from them (data and control edges)."""
-    seen = set(starts)
-    stack = list(seen)
-    while stack:
-        op = stack.pop()
-        for successor in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:
-            if successor not in seen:
-                seen.add(successor)
-                stack.append(successor)
-    return seen
 
 
 def _predecessors_closure(targets: list, preds: dict, within=None) -> set:
