@@ -31,9 +31,9 @@ What a body holds besides the group's stateless ops:
   body is called with `StatefulPartitionedCall`, as tf.function calls one;
 - the accumulate pass's adds of the unit's gradients into the running sums
   (`unit_groups`): the backward call takes the sums so far and returns them.
-  What finishes the sums at the last micro-batch (x 1/M, the sparse
-  concatenations) stays outside, so the last micro-batch's backward can call the
-  middle ones' function.
+  What starts the sums (the zeros micro-batch 0 adds into) and what finishes them
+  at the last micro-batch (x 1/M, the sparse concatenations) stay outside, so
+  every micro-batch's backward of a stage calls one function.
   Both were per-unit graph ops before, one per variable and unit each: at 12
   layers and 16 micro-batches 3,184 reads and 2,985 adds of a step's 10,542
   graph ops (bench/startup.py's model); now 3,939 graph ops remain.
@@ -182,7 +182,8 @@ class UnitFunctionsPass(GraphPass):
         accumulation, offloaded = ctx.find(Accumulation), ctx.find(Offloaded)
         built = outline(graph, unit_groups(replication, split,
                                            accumulation.ops if accumulation else None,
-                                           accumulation.finishing if accumulation else ()),
+                                           accumulation.kept_out_of_calls()
+                                           if accumulation else ()),
                         offloaded.variables if offloaded else frozenset())
         built.initialized = initialized_check(graph, built.calls)
         ordered = order_fetched_reads(replication, built)
@@ -214,7 +215,7 @@ def body_nodes(ops) -> list:
 
 
 def unit_groups(replication: Replication, split_taskgraphs: set,
-                accumulation: dict | None = None, finishing=()) -> list:
+                accumulation: dict | None = None, kept_out=()) -> list:
     """[(unit, phase, device, ops)]: each unit's forward copies and its backward ops,
     cut by TaskGraph (a pipeline stage), in the replicate pass's order (the
     template's for every unit, so equal groups list their ops alike).
@@ -224,13 +225,14 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     the call then takes the sums so far and returns them with its gradients added,
     and the adds (one per variable and micro-batch, as many as the model's
     variables times M) are nodes of the shared body instead of ops of the graph.
-    Micro-batch 0 adds nothing, so a stage's backward is at least two functions (the
-    first micro-batch's, every other's) whatever M is. What finishes the sums (the
-    accumulate pass's `finishing`: x 1/M, the sparse concatenations; the last
-    micro-batch's work) stays a graph op: in the body it made the last micro-batch's
-    backward a third function, one more copy of the stage's backward in what the
-    first step optimizes (bench/startup.py's encoder has two now; a model whose last
-    micro-batch's backward is cut between the stages otherwise still has three).
+    What starts and finishes the sums (`kept_out`, the accumulate pass's
+    `Accumulation.kept_out_of_calls`: the zeros micro-batch 0 adds into, x 1/M, the
+    sparse concatenations) stays graph ops: in the bodies they made the first and the
+    last micro-batch's backward functions of their own, two more copies of a stage's
+    backward for the first step to optimize. So a stage's backward is one function
+    whatever M is (bench/startup.py's encoder), unless units cut it differently (a
+    gradient of a shape known only at run time has no zeros to start from: micro-batch
+    0's backward is then a function of its own).
 
     The device of a group is the one most of its ops are on; its call runs the others
     there too. Why by TaskGraph and not by device: TensorFlow's autodiff puts some
@@ -242,7 +244,7 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     groups = []
     for unit in replication.units():
         backward = list(replication.backward_ops.get(unit, []))
-        backward += [op for op in (accumulation or {}).get(unit, []) if op not in finishing]
+        backward += [op for op in (accumulation or {}).get(unit, []) if op not in kept_out]
         for phase, ops in (("forward", list(replication.forward_copies[unit].values())),
                            ("backward", backward)):
             by_key: dict = {}

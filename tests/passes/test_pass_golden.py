@@ -81,15 +81,17 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
                    "ReadVariableOp": 33, "RealDiv": 2, "Relu": 2, "ReluGrad": 2, "Reshape": 2,
                    "ResourceApplyAdam": 4, "SparseSoftmaxCrossEntropyWithLogits": 2, "Split": 2,
                    "Tile": 2, "VarHandleOp": 15}, 167),
-    # per replica and variable (4): micro-batch 1's add and the scaling by 1/2; the
-    # updates read the sum
-    "accumulate": ({"AddV2": 8, "Const": 8, "Mul": 8}, 8),
+    # per replica and variable (4): micro-batch 0's zeros (Fill of a shape and a zero)
+    # and its add into them, micro-batch 1's add and the scaling by 1/2; the updates
+    # read the sum
+    "accumulate": ({"AddV2": 16, "Const": 24, "Fill": 8, "Mul": 8}, 8),
     # x 1/scale and a non-finite count per gradient of each replica; the updates read it
     "unscale": ({"Cast": 8, "Const": 9, "IsFinite": 8, "LogicalNot": 8, "Mul": 8,
                  "RealDiv": 1, "Sum": 8}, 8),
     # barriers of the two micro-batches' schedule (the ops the barriers wait for, marked
-    # by TensorFlow's _has_manual_control_dependencies only, do not count as changed)
-    "schedule": ({"NoOp": 6}, 8),
+    # by TensorFlow's _has_manual_control_dependencies only, do not count as changed);
+    # the changed ops wait for one: micro-batch 0's zeros among them (4 Fills)
+    "schedule": ({"NoOp": 6}, 12),
     "zero": ({"AssignVariableOp": 40, "CollectiveGather": 24, "CollectiveReduce": 8,
               "Const": 152, "Mul": 8, "NoOp": 24, "ReadVariableOp": 40, "Reshape": 40,
               "ResourceApplyAdam": 8, "Split": 8, "StridedSlice": 32, "VarHandleOp": 28}, 44),

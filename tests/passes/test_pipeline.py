@@ -295,11 +295,18 @@ def test_stages_micro_batches_and_one_apply_per_step():
     # variable's stage device, and every update needs them.
     adds = [op for op in graph.get_operations() if op.type in ("AddN", "AddV2")
             and op.name.startswith("EPL_ACCUMULATE")]
+    # Each micro-batch adds its gradient into the sum so far, micro-batch 0 into zeros.
     assert collections.Counter(op.device for op in adds) == {
-        "/device:CPU:0": 4, "/device:CPU:2": 4, "/device:CPU:1": 5, "/device:CPU:3": 5}
+        "/device:CPU:0": 8, "/device:CPU:2": 8, "/device:CPU:1": 10, "/device:CPU:3": 10}
     for add in adds:
         assert len(add.inputs) == 2 and {t.op.device for t in add.inputs} == {add.device}
-        assert {_attr(t.op, MICRO_BATCH_ATTR) for t in add.inputs} == {0, 1}
+        micro = _attr(add, MICRO_BATCH_ATTR)
+        total, gradient = add.inputs
+        assert _attr(gradient.op, MICRO_BATCH_ATTR) == micro
+        if micro == 0:
+            assert total.op.type == "Fill" and _attr(total.op, MICRO_BATCH_ATTR) == 0
+        else:
+            assert total.op in adds and _attr(total.op, MICRO_BATCH_ATTR) == micro - 1
     # every add runs: as an op the update needs, or as a node of a unit function's
     # call (the default: each micro-batch's adds are in its backward call)
     assert set(adds) <= needed | result.outlined
@@ -367,6 +374,32 @@ def test_gradient_accumulation_with_uneven_replicas(models, epl_env):
              "io.batch_mode": "global"})   # uneven shares slice one batch
     result = models.train(3, replica_weights=[3, 1], model="mlp", optimizer="sgd")
     models.assert_same_training(result, expected)
+
+
+@pytest.mark.parametrize("shares", ["equal", "known_at_run_time"])
+def test_every_micro_batch_adds_its_gradient_alike(shares):
+    """Micro-batch 0 adds its gradient into zeros as every later micro-batch adds its own
+    into the sum so far: each does the same work (so one unit function serves every
+    micro-batch's backward), and the sum is the weighted sum of the gradients."""
+    from epl.passes.pipeline.accumulate import accumulate
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal((3, 5)).astype(np.float32) for _ in range(4)]
+    weights = [0.25] * 4 if shares == "equal" else [0.1, 0.2, 0.3, 0.4]
+    graph = tf.Graph()
+    with graph.as_default():
+        per_micro = [[tf.identity(tf.constant(v))] for v in values]
+        scales = None if shares == "equal" else [
+            tf.compat.v1.placeholder_with_default(np.float32(w), []) for w in weights]
+        finishing, starting = set(), set()
+        total, ops_of = accumulate(per_micro, 0, scales, finishing, starting)
+        with tf.compat.v1.Session() as sess:
+            summed = sess.run(total[0])
+    assert "Fill" in {op.type for op in starting} and starting <= set(ops_of[0])
+    work = [sorted(op.type for op in ops_of[m] if op not in starting | finishing)
+            for m in range(4)]
+    assert all(w == work[0] for w in work) and "AddV2" in work[0], work
+    expected = sum(np.float32(w) * v for w, v in zip(weights, values))
+    np.testing.assert_allclose(summed, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_dynamic_batch_not_divisible_fails_at_run_time(models, epl_env):

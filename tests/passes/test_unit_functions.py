@@ -23,7 +23,8 @@ import epl
 from epl import env
 from epl.errors import ParallelizeError
 from epl.hooks.session import parallel_graph
-from epl.ir.annotations import PHASE_ATTR, TASKGRAPH_ATTR, Phase
+from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, SCHEDULE_EDGE_ATTR,
+                                 TASKGRAPH_ATTR)
 from epl.ir.graph_view import ancestors
 from epl.passes import unit_functions
 from test_pipeline import train_encoder
@@ -56,16 +57,25 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
     # one call per (micro-batch, stage, phase)
     assert len(built) == micro * stages * 2
     functions = {op.get_attr("f").name for op in built}
-    # the micro-batches share them: per stage one forward function and two backward
-    # ones whatever M is (micro-batch 0's, which starts the gradient sums; the others',
-    # which add into them)
+    # the micro-batches share them: per stage one forward function and one backward
+    # one whatever M is (each backward call adds its micro-batch's gradients into the
+    # sums so far; micro-batch 0's call is given zeros as those)
     per_stage: dict = {}
     for op in built:
         key = (op.get_attr(TASKGRAPH_ATTR).decode(), op.get_attr(PHASE_ATTR).decode())
         per_stage.setdefault(key, set()).add(op.get_attr("f").name)
-    for (_, phase), names in per_stage.items():
-        assert len(names) == (1 if phase == Phase.FORWARD.value else 2), per_stage
+    assert all(len(names) == 1 for names in per_stage.values()), per_stage
     assert len(per_stage) == 2 * stages
+    first_backward = [call for call in built if call.get_attr(PHASE_ATTR) == b"backward"
+                      and call.get_attr(MICRO_BATCH_ATTR) == 0]
+    zeros = {t.op for call in first_backward for t in call.inputs if t.op.type == "Fill"}
+    assert zeros and not zeros & result.outlined
+    # made when micro-batch 0's backward starts (after the schedule's edge into it),
+    # not held from the start of the step
+    for op in zeros:
+        edges = [c.get_attr(SCHEDULE_EDGE_ATTR).decode() for c in op.control_inputs
+                 if SCHEDULE_EDGE_ATTR in c.node_def.attr]
+        assert edges and all(edge.endswith("->B0") for edge in edges), (op.name, edges)
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     assert all(library[name].attr[unit_functions.NOINLINE_ATTR].b for name in functions)
     # the step runs the calls, none of the copies they replaced but the first unit's

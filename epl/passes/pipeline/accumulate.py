@@ -43,11 +43,21 @@ class Accumulation:
       sparse gradient's micro-batches (one per variable and replica whatever M is).
       The unit_functions pass keeps them out of the last micro-batch's backward call,
       whose body is then the middle micro-batches' one.
+    starting: the zeros micro-batch 0 adds its gradient into (a Fill and its two
+      constants per variable whose gradient has a static shape), in `ops` as
+      micro-batch 0's work (the schedule runs them in its backward step). The
+      unit_functions pass keeps them out of micro-batch 0's backward call, which
+      takes them as the sum so far: its body is then the later micro-batches' one.
     """
 
     gradients: ReplicaGradients
     ops: dict
     finishing: frozenset = frozenset()
+    starting: frozenset = frozenset()
+
+    def kept_out_of_calls(self) -> frozenset:
+        """The accumulation ops that stay graph ops beside the unit functions' calls."""
+        return self.finishing | self.starting
 
 
 class AccumulatePass(GraphPass):
@@ -63,12 +73,12 @@ class AccumulatePass(GraphPass):
         micro = replication.num_micro_batches
         replicas = len(replication.micro_scales)
         first_new = len(graph.get_operations())
-        per_replica, ops, finishing = [], {}, set()
+        per_replica, ops, finishing, starting = [], {}, set(), set()
         for k in range(replicas):
             per_micro = [replication.unit_gradients[(k, m)] for m in range(micro)]
             taken = [None if g is None else gradient_flow.readers(g) for g in per_micro[0]]
             accumulated, ops_of = accumulate(per_micro, k, replication.micro_scales[k],
-                                              finishing)
+                                              finishing, starting)
             for first, total, readers in zip(per_micro[0], accumulated, taken):
                 if first is not None:
                     gradient_flow.rewire(first, total, readers)
@@ -80,7 +90,7 @@ class AccumulatePass(GraphPass):
         # split TaskGraphs run one micro-batch (the replicate pass refuses more): unchanged
         accumulated = ReplicaGradients(entries, list(replication.split_gradients))
         ctx.provide(accumulated)
-        ctx.provide(Accumulation(accumulated, ops, frozenset(finishing)))
+        ctx.provide(Accumulation(accumulated, ops, frozenset(finishing), frozenset(starting)))
         added = [op.name for op in graph.get_operations()[first_new:]]
         return PassResult(added=added, notes=[
             f"{micro} micro-batch gradients per variable added per replica, over {replicas} "
@@ -88,7 +98,8 @@ class AccumulatePass(GraphPass):
 
 
 def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
-               finishing: set | None = None) -> tuple[list, dict]:
+               finishing: set | None = None, starting: set | None = None
+               ) -> tuple[list, dict]:
     """One gradient per variable from the gradients of every micro-batch.
 
     per_micro[m][i] is micro-batch m's gradient of variable i; scales[m] is
@@ -100,7 +111,7 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
     weighted before it is added. It is placed on the device of micro-batch 0's
     gradient, tagged with its TaskGraph, phase "backward" and the replica.
 
-    The sum is a chain of adds, ((g0 + g1) + g2) + ..., not one AddN, and the
+    The sum is a chain of adds, ((0 + g0) + g1) + ..., not one AddN, and the
     add of g_m is tagged as micro-batch m's work (`_epl_micro_batch` = m; the
     final scaling is micro-batch M - 1's): the schedule pass puts it into that
     micro-batch's backward step, so g_m is freed as soon as it is added and the
@@ -110,6 +121,18 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
     gradients (tf.IndexedSlices) are concatenated, with scaled values, at the
     last micro-batch.
 
+    Why micro-batch 0 adds its gradient into zeros (a Fill from constants, in its
+    backward step, where the gradient's shape is static) instead of starting the sum
+    with it: every micro-batch's backward then does the same work, and the
+    unit_functions pass gives all of a stage's micro-batches one backward function
+    (the zeros stay outside the call, which takes them as the sum so far). With a
+    function of its own for micro-batch 0, each stage had two backward bodies for
+    TensorFlow to optimize and instantiate at the first step: at 24 layers and 16
+    micro-batches (bench/startup.py's encoder) the first step took 6.3-6.6 s with
+    two, 4.6-4.9 s with one. 0 + g0 is g0 exactly (but for a zero's sign), and the
+    schedule runs the Fill in micro-batch 0's backward step, so the zeros live no
+    longer than the sum they start.
+
     The dense sums with equal shares (every static batch: most of a step's
     accumulation ops, one add per variable and micro-batch) are written as NodeDefs
     and added in one import (`NodeBatch`, as the replicate pass adds its copies):
@@ -118,7 +141,8 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
 
     Returns (gradients, {m: ops added for micro-batch m}); the ops that finish the
     sums at the last micro-batch (the dense sums' x 1/M, the sparse concatenations)
-    also go into `finishing`, when given.
+    also go into `finishing`, and the zeros of micro-batch 0 (`_zeros`) into
+    `starting`, when given.
     """
     micro = len(per_micro)
     if micro == 1:
@@ -139,7 +163,7 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
             accumulated.append(None)   # filled in once the batch is committed
             continue
         source = first.values.op if isinstance(first, tf.IndexedSlices) else first.op
-        graph, device = source.graph, source.device
+        device = source.device
         source_attrs = source.node_def.attr   # read once: node_def serializes the op
         old = {id(t) for p in parts for t in _tensors(p)} | {
             id(x) for x in scales if isinstance(x, tf.Tensor)}
@@ -166,34 +190,40 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
                 tf.concat([p.indices for p in parts], axis=0), first.dense_shape))
             if finishing is not None:
                 finishing.update(ops_of[micro - 1][before:])
-        elif equal:
-            total = parts[0]
+        else:   # unequal shares, or known only at run time (equal dense sums: `batch`)
+            weighted = lambda p, x: p * tf.cast(x, first.dtype)   # noqa: E731
+            if first.shape.is_fully_defined():   # into zeros, as `_dense_sum` does
+                before = len(ops_of[0])
+                zeros = tagged(0, lambda: tf.fill(first.shape.as_list(),
+                                                  tf.constant(0, first.dtype)))
+                if starting is not None:
+                    starting.update(ops_of[0][before:])
+                total = tagged(0, lambda: zeros + weighted(parts[0], scales[0]))
+            else:
+                total = tagged(0, lambda: weighted(parts[0], scales[0]))
             for m in range(1, micro):
-                total = tagged(m, lambda t=total, p=parts[m]: t + p)
-            total = tagged(micro - 1, lambda t=total: t * tf.cast(scale, first.dtype))
-        else:
-            total = tagged(0, lambda: parts[0] * tf.cast(scales[0], first.dtype))
-            for m in range(1, micro):
-                total = tagged(m, lambda t=total, p=parts[m], x=scales[m]:
-                               t + p * tf.cast(x, first.dtype))
+                total = tagged(m, lambda t=total, p=parts[m], x=scales[m]: t + weighted(p, x))
         accumulated.append(total)
     if batch is not None:
         created = batch.commit()
-        for position, names, scale_names in written:
+        for position, names, scale_names, zero_names in written:
             for m in range(micro):
                 ops_of[m].extend(created[name] for name in names.get(m, ()))
             accumulated[position] = created[names[micro - 1][-1]].outputs[0]
             if finishing is not None:
                 finishing.update(created[name] for name in scale_names)
+            if starting is not None:
+                starting.update(created[name] for name in zero_names)
     return accumulated, ops_of
 
 
 def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> tuple:
     """Write ((g_0 + g_1) + ...) x scale for one variable's dense gradients `parts` into
     `batch`, as `accumulate` builds it (on the device of g_0, with its TaskGraph and
-    phase; the add of g_m is micro-batch m's op, the scaling the last one's). Returns
-    ({m: the names of micro-batch m's nodes}, the last one's ending with the sum; the
-    names of the scaling's nodes)."""
+    phase; the add of g_m is micro-batch m's op, the scaling the last one's), from the
+    zeros micro-batch 0 adds into where the shape is static. Returns ({m: the names of
+    micro-batch m's nodes}, the last one's ending with the sum; the names of the
+    scaling's nodes; the names of the zeros' nodes)."""
     first = parts[0]
     source = first.op
     attrs = source.node_def.attr   # read once: node_def serializes the op
@@ -214,6 +244,23 @@ def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> tu
         return new.name
 
     total = batch.ref(first)
+    zeros: tuple = ()
+    if first.shape.is_fully_defined():   # see `accumulate`: micro-batch 0 adds into zeros
+        dims = np.asarray(first.shape.as_list(), np.int64)
+        index = tf.int32 if dims.size == 0 or dims.max() < 2 ** 31 else tf.int64
+        index_type = tf.compat.v1.AttrValue(type=index.as_datatype_enum)
+        shape = node("Const", "EPL_ACCUMULATE/zeros/shape", 0, [], dtype=index_type,
+                     value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(
+                         dims.astype(index.as_numpy_dtype))))
+        zero = node("Const", "EPL_ACCUMULATE/zeros/value", 0, [], dtype=dtype,
+                    value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(
+                        np.zeros((), first.dtype.as_numpy_dtype))))
+        fill = node("Fill", "EPL_ACCUMULATE/zeros", 0,
+                    [batch.output(shape, 0), batch.output(zero, 0)], T=dtype,
+                    index_type=index_type)
+        add = node("AddV2", "EPL_ACCUMULATE/add", 0, [batch.output(fill, 0), total], T=dtype)
+        total = batch.output(add, 0)
+        zeros = (shape, zero, fill)
     for m in range(1, len(parts)):
         add = node("AddV2", "EPL_ACCUMULATE/add", m, [total, batch.ref(parts[m])], T=dtype)
         total = batch.output(add, 0)
@@ -223,7 +270,7 @@ def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> tu
     const = node("Const", "EPL_ACCUMULATE/Cast/x", last, [], dtype=dtype,
                  value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(value)))
     mul = node("Mul", "EPL_ACCUMULATE/mul", last, [total, batch.output(const, 0)], T=dtype)
-    return names, (const, mul)
+    return names, (const, mul), zeros
 
 
 def _tensors(value) -> list:
