@@ -410,9 +410,12 @@ def _user_terms(session, result: ParallelGraph, plan: _RunPlan, feed_dict):
 
 
 # what a step's copies may hold and still run again with no effect on training: reading
-# variables and fed values (a draw from an iterator or a random op would move its stream)
+# variables and fed values (a draw from an iterator or a random op would move its stream);
+# a reference variable's op only looks its variable up (the unit functions' calls wait for
+# one: epl.passes.unit_functions.ref_scan_marks)
 _RERUNNABLE_STATEFUL = frozenset({"VarHandleOp", "ReadVariableOp", "VarIsInitializedOp",
-                                  "Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+                                  "VariableV2", "Placeholder", "PlaceholderV2",
+                                  "PlaceholderWithDefault"})
 
 _RERUN_TRIES = 3
 

@@ -81,14 +81,14 @@ model, 12 layers, 64 micro-batches, 256 calls, 189,176 ops of which the step run
 `place_pruned_graph` converts from the whole GraphDef at every new run signature
 (the initializer's run and the first step: the step's ops alone in a fresh graph
 took 0.48 s instead of 3.85 s to initialize, and 6.35 s instead of 8.46 s for
-the first step); and TensorFlow's XLA pass `EncapsulateSubgraphsPass`, registered
-whether XLA is used or not, which converts every call's body into a graph twice
-per call node to look for reference variables in it (about 2 s of CPU time; a
-direct function call instead of `PartitionedCall` is looked into the same way).
-The first goes away once the replicate pass stops copying what the calls
-replace (each stage's functions built once from the template, only the calls
-emitted per unit); the second grows with the calls times their bodies, and
-shrinks only with fewer call nodes.
+the first step). That goes away once the replicate pass stops copying what the
+calls replace (each stage's functions built once from the template, only the
+calls emitted per unit). TensorFlow's XLA pass `EncapsulateSubgraphsPass`,
+registered whether XLA is used or not, converted every call's body into a graph
+twice per call node to look for reference variables in it (about 2 s of CPU time
+there; a direct function call instead of `PartitionedCall` is looked into the
+same way); the calls now wait for a reference variable's op, which answers the
+question from their inputs (`ref_scan_marks`).
 
 On by default (`pipeline.unit_functions: False` runs the copies). The calls
 compute what the copies compute, but not always with the same rounding:
@@ -186,6 +186,7 @@ class UnitFunctionsPass(GraphPass):
                                            if accumulation else ()),
                         offloaded.variables if offloaded else frozenset())
         built.initialized = initialized_check(graph, built.calls)
+        marks = ref_scan_marks(graph, built.calls)
         ordered = order_fetched_reads(replication, built)
         ctx.provide(built)
         distinct = len(built.functions)
@@ -196,7 +197,8 @@ class UnitFunctionsPass(GraphPass):
                          "unit's copied variable reads (a fetch of its copies reads the "
                          "variables before the update, as the calls do)")
         notes += built.kept
-        return PassResult(added=[op.name for op in built.calls + list(built.twins.values())],
+        return PassResult(added=[op.name for op in built.calls + list(built.twins.values())
+                                 + marks],
                           notes=notes,
                           modified=bool(built.calls))
 
@@ -539,6 +541,49 @@ def initialized_check(graph: tf.Graph, calls: list) -> list:
                 s=Phase.OTHER.value.encode()))
             checks.append((variable, check))
     return checks
+
+
+def ref_scan_marks(graph: tf.Graph, calls: list) -> list:
+    """One reference-typed variable op (`VariableV2`, a float scalar) on each device the
+    calls run on, which every call there waits for; returns them. Its value is never
+    read, and the op outputs its reference whether the variable is initialized or not:
+    running it costs a lookup per step.
+
+    Why: at every new set of fetches a session runs TensorFlow's XLA pass
+    `EncapsulateSubgraphsPass` on the graph it runs, XLA used or not, and the pass
+    looks for the ops related to reference variables (tensorflow/compiler/jit/
+    xla_cluster_util.cc, `GetNodesRelatedToRefVariables`): an op is related when an
+    input (forward) or a reader (backward) is, and otherwise, for an op that calls a
+    function, when the function's body holds one. To find out it instantiates the body
+    (converting its FunctionDef into a graph) for every call node, in each direction,
+    with nothing cached across call nodes: 128 conversions of bodies of 1,300 to 3,000
+    nodes for the 64 calls at 24 layers and 16 micro-batches (bench/startup.py's
+    encoder), about 1 s of CPU time at the first step. A call that waits for a
+    reference-typed op is related from its input, and no body is converted: the first
+    step took 4.4-4.8 s instead of 6.0-6.4 s there (one run each, under load).
+
+    What the marking changes: the `_XlaHasReferenceVars` attribute the pass writes on
+    the session graph's ops, which only XLA's kernels read, and XLA's automatic
+    clustering (`tf_xla_auto_jit`, a session's global_jit_level) leaves the ops related
+    to a reference variable out of its clusters: with it on, the ops around the calls
+    in the session's graph are not compiled (the bodies, which the function runtime
+    optimizes and clusters on their own, are). The variable is in no collection, so
+    no initializer, Saver or readiness check sees it."""
+    marks = []
+    with graph_mutation.clean_construction_context(graph):
+        for device in sorted({call.device for call in calls}):
+            on_device = [call for call in calls if call.device == device]
+            mark = tf.raw_ops.VariableV2(shape=[], dtype=tf.float32,
+                                         name="EPL_REF_SCAN_MARK").op
+            graph_mutation.set_device(mark, device)
+            graph_mutation.set_attr(mark, TASKGRAPH_ATTR,
+                                    on_device[0].node_def.attr[TASKGRAPH_ATTR])
+            graph_mutation.set_attr(mark, PHASE_ATTR, attr_value_pb2.AttrValue(
+                s=Phase.OTHER.value.encode()))
+            for call in on_device:
+                graph_mutation.add_control_inputs(call, [mark])
+            marks.append(mark)
+    return marks
 
 
 def order_fetched_reads(replication: Replication, built: UnitFunctions) -> int:

@@ -113,9 +113,10 @@ GOLDEN: dict[str, tuple[dict[str, int], int]] = {
     # variables in its body: a StatefulPartitionedCall); the update ops and the loss's
     # merge read the calls (changed); per variable a call reads (4 per replica), whether
     # it is initialized, asked only after a cancelled step; the 4 updates wait for the
-    # first replica's copied reads (changed: a fetch of its copies reads the old weights)
+    # first replica's copied reads (changed: a fetch of its copies reads the old weights);
+    # per device, the reference variable op its calls wait for (ref_scan_marks)
     "unit_functions": ({"PartitionedCall": 2, "StatefulPartitionedCall": 2,
-                        "VarIsInitializedOp": 8}, 13),
+                        "VarIsInitializedOp": 8, "VariableV2": 2}, 13),
 }
 
 

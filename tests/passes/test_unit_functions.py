@@ -255,6 +255,44 @@ def test_a_fetched_activation_is_computed_from_the_weights_before_the_update():
     env.reset()
 
 
+def test_calls_wait_for_a_reference_variable_no_readiness_check_sees(tmp_path):
+    """Every call waits for a reference variable's op on its device (ref_scan_marks: it
+    spares TensorFlow's XLA pass converting every call's body at each new set of
+    fetches). The variable is never read and in no collection: a MonitoredTrainingSession
+    (its Scaffold's readiness check, its checkpoint) trains as without it."""
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2, **ON}))
+    rng = np.random.RandomState(0)
+    data, targets = rng.randn(16, 8).astype(np.float32), rng.randn(16, 1).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [8, 1], name="y")
+        hidden = tf.compat.v1.layers.dense(x, 16, activation=tf.nn.relu)
+        loss = tf.reduce_mean(tf.square(tf.compat.v1.layers.dense(hidden, 1) - y))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train_op = tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+        losses = []
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                checkpoint_dir=str(tmp_path), save_checkpoint_steps=2,
+                hooks=[tf.compat.v1.train.StopAtStepHook(last_step=4)]) as sess:
+            while not sess.should_stop():
+                losses.append(sess.run([loss, train_op], {x: data, y: targets})[0])
+        result = parallel_graph(graph)
+        calls = [op for op in graph.get_operations() if op.type in unit_functions.CALL_TYPES]
+        assert calls
+        for call in calls:
+            marks = [c for c in call.control_inputs if c.type == "VariableV2"]
+            assert len(marks) == 1 and marks[0].device == call.device, call.name
+        marks = {c for call in calls for c in call.control_inputs if c.type == "VariableV2"}
+        assert len(marks) == 2   # one per device
+        assert not marks & {v.op for v in tf.compat.v1.global_variables()}
+        assert not marks & {v.op for v in tf.compat.v1.local_variables()}
+        assert result.outlined
+    assert len(losses) == 4 and np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert tf.train.latest_checkpoint(str(tmp_path))
+    env.reset()
+
+
 def test_the_first_units_reads_come_before_the_updates_in_a_pipeline(epl_env):
     epl_env({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2, **ON})
     trained = train_encoder(layers=2, stages=2, optimizer="adam", steps=1)
