@@ -230,6 +230,9 @@ class ParallelGraph:
     outlined: frozenset = frozenset()
     # and each copied tensor a call returns -> the call's output (what a fetch reads)
     unit_outputs: dict = dataclasses.field(default_factory=dict)
+    # the reference variable ops the calls wait for (unit_functions.ref_scan_marks):
+    # never read, in no collection, no variable of the model
+    ref_marks: frozenset = frozenset()
     # (variable op, is-initialized tensor) for each variable a call reads in its body:
     # the session asks them after a cancelled step (UnitFunctions.initialized)
     initialized: list = dataclasses.field(default_factory=list)
@@ -398,6 +401,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
     if functions is not None:
         result.outlined, result.unit_outputs = functions.outlined, dict(functions.outputs)
         result.initialized = list(functions.initialized)
+        result.ref_marks = functions.ref_marks
         if result.gradient_check is not None:   # the checkpointed gradients the step computes
             reference, checkpointed = result.gradient_check
             result.gradient_check = (reference, [None if g is None else

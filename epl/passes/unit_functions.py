@@ -150,7 +150,9 @@ class UnitFunctions:
     (a fetch of it reads the call instead of running the unread copies);
     initialized: (variable op, its VarIsInitializedOp's output) for every variable a
     call reads inside its body (`initialized_check`); twins: each barrier NoOp that
-    waits for copies -> the NoOp that waits for the calls instead (`_twin_barriers`)."""
+    waits for copies -> the NoOp that waits for the calls instead (`_twin_barriers`);
+    ref_marks: the reference variable ops the calls wait for (`ref_scan_marks`), no
+    variable of the model."""
 
     calls: list
     functions: list
@@ -159,6 +161,7 @@ class UnitFunctions:
     outputs: dict = dataclasses.field(default_factory=dict)   # copy tensor -> call output
     initialized: list = dataclasses.field(default_factory=list)
     twins: dict = dataclasses.field(default_factory=dict)
+    ref_marks: frozenset = frozenset()
 
 
 class UnitFunctionsPass(GraphPass):
@@ -186,7 +189,7 @@ class UnitFunctionsPass(GraphPass):
                                            if accumulation else ()),
                         offloaded.variables if offloaded else frozenset())
         built.initialized = initialized_check(graph, built.calls)
-        marks = ref_scan_marks(graph, built.calls)
+        built.ref_marks = frozenset(ref_scan_marks(graph, built.calls))
         ordered = order_fetched_reads(replication, built)
         ctx.provide(built)
         distinct = len(built.functions)
@@ -198,7 +201,7 @@ class UnitFunctionsPass(GraphPass):
                          "variables before the update, as the calls do)")
         notes += built.kept
         return PassResult(added=[op.name for op in built.calls + list(built.twins.values())
-                                 + marks],
+                                 + sorted(built.ref_marks, key=lambda op: op._id)],
                           notes=notes,
                           modified=bool(built.calls))
 

@@ -284,7 +284,7 @@ def test_calls_wait_for_a_reference_variable_no_readiness_check_sees(tmp_path):
             marks = [c for c in call.control_inputs if c.type == "VariableV2"]
             assert len(marks) == 1 and marks[0].device == call.device, call.name
         marks = {c for call in calls for c in call.control_inputs if c.type == "VariableV2"}
-        assert len(marks) == 2   # one per device
+        assert len(marks) == 2 and marks == result.ref_marks   # one per device
         assert not marks & {v.op for v in tf.compat.v1.global_variables()}
         assert not marks & {v.op for v in tf.compat.v1.local_variables()}
         assert result.outlined
