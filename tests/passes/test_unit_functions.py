@@ -211,6 +211,20 @@ def _first_unit_reads_before_updates(result) -> None:
                 assert read in before, (read.name, update.name)
 
 
+def _two_replica_regression():
+    """EPL on 2 devices with unit functions on, and a new graph with the placeholders
+    of one replica's 8 rows: (graph, 16 rows, their targets, x, y)."""
+    env.reset()
+    epl.init(epl.Config({"cluster.virtual_devices": 2, **ON}))
+    rng = np.random.RandomState(0)
+    data, targets = rng.randn(16, 8).astype(np.float32), rng.randn(16, 1).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [8, 1], name="y")
+    return graph, data, targets, x, y
+
+
 def test_a_fetched_activation_is_computed_from_the_weights_before_the_update():
     """`sess.run([train_op, activation])` returns the activation computed from the
     weights the step trained on, as single-device TensorFlow does. The activation (a
@@ -219,13 +233,8 @@ def test_a_fetched_activation_is_computed_from_the_weights_before_the_update():
     are no longer on the way to the update, so the pass orders them before it. Without
     that order a loaded machine returned, about once in 180 steps, an activation
     computed from the updated weights (and the gradient check compared such a copy)."""
-    env.reset()
-    epl.init(epl.Config({"cluster.virtual_devices": 2, **ON}))
-    rng = np.random.RandomState(0)
-    data, targets = rng.randn(16, 8).astype(np.float32), rng.randn(16, 1).astype(np.float32)
-    with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="x")
-        y = tf.compat.v1.placeholder(tf.float32, [8, 1], name="y")
+    graph, data, targets, x, y = _two_replica_regression()
+    with graph.as_default():
         hidden = x
         for i in range(3):
             hidden = tf.compat.v1.layers.dense(
@@ -260,13 +269,8 @@ def test_calls_wait_for_a_reference_variable_no_readiness_check_sees(tmp_path):
     spares TensorFlow's XLA pass converting every call's body at each new set of
     fetches). The variable is never read and in no collection: a MonitoredTrainingSession
     (its Scaffold's readiness check, its checkpoint) trains as without it."""
-    env.reset()
-    epl.init(epl.Config({"cluster.virtual_devices": 2, **ON}))
-    rng = np.random.RandomState(0)
-    data, targets = rng.randn(16, 8).astype(np.float32), rng.randn(16, 1).astype(np.float32)
-    with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="x")
-        y = tf.compat.v1.placeholder(tf.float32, [8, 1], name="y")
+    graph, data, targets, x, y = _two_replica_regression()
+    with graph.as_default():
         hidden = tf.compat.v1.layers.dense(x, 16, activation=tf.nn.relu)
         loss = tf.reduce_mean(tf.square(tf.compat.v1.layers.dense(hidden, 1) - y))
         step = tf.compat.v1.train.get_or_create_global_step()
