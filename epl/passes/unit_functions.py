@@ -232,7 +232,7 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
     variables times M) are nodes of the shared body instead of ops of the graph.
     What starts and finishes the sums (`kept_out`, the accumulate pass's
     `Accumulation.kept_out_of_calls`: the zeros micro-batch 0 adds into, x 1/M, the
-    sparse concatenations) stays graph ops: in the bodies they made the first and the
+    sparse concatenations) stay graph ops: in the bodies they made the first and the
     last micro-batch's backward functions of their own, two more copies of a stage's
     backward for the first step to optimize. So a stage's backward is one function
     whatever M is (bench/startup.py's encoder), unless units cut it differently (a

@@ -141,8 +141,8 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
 
     Returns (gradients, {m: ops added for micro-batch m}); the ops that finish the
     sums at the last micro-batch (the dense sums' x 1/M, the sparse concatenations)
-    also go into `finishing`, and the zeros of micro-batch 0 (`_zeros`) into
-    `starting`, when given.
+    also go into `finishing`, and the zeros micro-batch 0 adds into (each a Fill and
+    its constants) into `starting`, when given.
     """
     micro = len(per_micro)
     if micro == 1:
@@ -191,7 +191,9 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
             if finishing is not None:
                 finishing.update(ops_of[micro - 1][before:])
         else:   # unequal shares, or known only at run time (equal dense sums: `batch`)
-            weighted = lambda p, x: p * tf.cast(x, first.dtype)   # noqa: E731
+            def weighted(gradient, share, dtype=first.dtype):
+                return gradient * tf.cast(share, dtype)
+
             if first.shape.is_fully_defined():   # into zeros, as `_dense_sum` does
                 before = len(ops_of[0])
                 zeros = tagged(0, lambda: tf.fill(first.shape.as_list(),
@@ -218,7 +220,7 @@ def accumulate(per_micro: list[list], replica: int, scales: list | None = None,
 
 
 def _dense_sum(batch: NodeBatch, parts: tuple, replica: int, scale: float) -> tuple:
-    """Write ((g_0 + g_1) + ...) x scale for one variable's dense gradients `parts` into
+    """Write (((0 + g_0) + g_1) + ...) x scale for one variable's dense gradients `parts` into
     `batch`, as `accumulate` builds it (on the device of g_0, with its TaskGraph and
     phase; the add of g_m is micro-batch m's op, the scaling the last one's), from the
     zeros micro-batch 0 adds into where the shape is static. Returns ({m: the names of
