@@ -139,6 +139,10 @@ _KEPT_OUT_TYPES = frozenset(("Placeholder", "PlaceholderWithDefault", "Placehold
 # on an op given control inputs after it was built (the schedule's edges, which the
 # call takes instead; it told the last micro-batch's backward from the middle ones')
 _NOT_IN_BODY = frozenset((COLOCATION_ATTR, "_has_manual_control_dependencies"))
+# a graph NodeDef's fields a body's node leaves empty: its inputs are written anew, and
+# its device, debug information and full type are the graph op's
+_NODE_FIELDS_DROPPED = ("input", "device", "experimental_debug_info", "experimental_type")
+_ATTRS_NOT_IN_BODY = _NOT_IN_BODY | EPL_ATTRS
 
 
 @dataclasses.dataclass
@@ -252,15 +256,17 @@ def unit_groups(replication: Replication, split_taskgraphs: set,
         backward += [op for op in (accumulation or {}).get(unit, []) if op not in kept_out]
         for phase, ops in (("forward", list(replication.forward_copies[unit].values())),
                            ("backward", backward)):
-            by_key: dict = {}
+            by_key: dict = {}   # (TaskGraph, device or None) -> (members, their devices)
             for op in ops:
-                if not op.device:
+                device = op.device   # read once: each read asks TensorFlow
+                if not device:
                     continue
                 taskgraph = taskgraph_tag(op)
-                key = (taskgraph, op.device if taskgraph in split_taskgraphs else None)
-                by_key.setdefault(key, []).append(op)
-            for members in by_key.values():
-                devices = collections.Counter(op.device for op in members)
+                key = (taskgraph, device if taskgraph in split_taskgraphs else None)
+                members, devices = by_key.setdefault(key, ([], collections.Counter()))
+                members.append(op)
+                devices[device] += 1
+            for members, devices in by_key.values():
                 groups.append((unit, phase, devices.most_common(1)[0][0], members))
     return groups
 
@@ -427,20 +433,32 @@ class _Body:
         self.outputs.sort(key=lambda t: (self.position[t.op], t.value_index))
         fdef = function_pb2.FunctionDef()
         controls = set()
+        position, suffixes, ref = self.position, self.output_names, self._ref
+        nodes = fdef.node_def
         for i, op in enumerate(self.ops):
-            node = fdef.node_def.add()
-            node.name, node.op = f"n{i}", op.type
-            for key, value in op.node_def.attr.items():
-                if key not in _NOT_IN_BODY and key not in EPL_ATTRS:
-                    node.attr[key].CopyFrom(value)
+            node = nodes.add()
+            # the op's NodeDef parsed once, straight into the body's node, then what a
+            # body's node does not take removed: cheaper than copying attr by attr
+            node.ParseFromString(op._node_def)   # pylint: disable=protected-access
+            node.name = f"n{i}"
+            for field in _NODE_FIELDS_DROPPED:
+                node.ClearField(field)
+            for key in [key for key in node.attr if key in _ATTRS_NOT_IN_BODY]:
+                del node.attr[key]
+            names = []
             for tensor in op.inputs:
-                node.input.append(self._ref(tensor, fdef))
+                producer = tensor.op
+                inside = position.get(producer)
+                names.append(ref(tensor, fdef) if inside is None else
+                             f"n{inside}:{_output_suffixes(producer, suffixes)[tensor.value_index]}")
             for control in op.control_inputs:
-                if control in self.position:
-                    node.input.append(f"^n{self.position[control]}")
+                inside = position.get(control)
+                if inside is not None:
+                    names.append(f"^n{inside}")
                 elif control not in controls:
                     controls.add(control)
                     self.controls.append(control)
+            node.input.extend(names)
         variables = {op.inputs[0]: op for op in self.ops if op.type == "ReadVariableOp"}
         for i, tensor in enumerate(self.inputs):
             arg = fdef.signature.input_arg.add()
