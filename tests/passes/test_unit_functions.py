@@ -23,8 +23,8 @@ import epl
 from epl import env
 from epl.errors import ParallelizeError
 from epl.hooks.session import parallel_graph
-from epl.ir.annotations import (MICRO_BATCH_ATTR, PHASE_ATTR, SCHEDULE_EDGE_ATTR,
-                                 TASKGRAPH_ATTR)
+from epl.ir.annotations import (EPL_ATTRS, MICRO_BATCH_ATTR, PHASE_ATTR,
+                                 SCHEDULE_EDGE_ATTR, TASKGRAPH_ATTR)
 from epl.ir.graph_view import ancestors
 from epl.passes import unit_functions
 from test_pipeline import train_encoder
@@ -78,6 +78,13 @@ def test_calls_train_exactly_as_the_copies(epl_env, stages, micro, strategy):
         assert edges and all(edge.endswith("->B0") for edge in edges), (op.name, edges)
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     assert all(library[name].attr[unit_functions.NOINLINE_ATTR].b for name in functions)
+    # a body's node is its op's NodeDef without the graph's placement, EPL's tags and
+    # the colocation: the calls of every device share it
+    for name in functions:
+        for node in library[name].node_def:
+            assert not node.device and not node.HasField("experimental_debug_info"), node
+            assert not node.HasField("experimental_type"), node
+            assert not set(node.attr) & (EPL_ATTRS | {"_class"}), (node.name, list(node.attr))
     # the step runs the calls, none of the copies they replaced but the first unit's
     # variable reads (before the updates: a fetch of its copies reads what the calls read)
     assert not any(op.type in unit_functions.CALL_TYPES for op in copies.graph.get_operations())
