@@ -304,6 +304,14 @@ SCHEMA: tuple[KeySpec, ...] = (
     KeySpec("debug.log_all_ranks", "bool", False,
             "Print the parallel-graph summary and ProgressHook's lines on every worker "
             "(default: worker 0 only, as Horovod scripts print)."),
+    KeySpec("debug.whole_graph_sessions", "bool", False,
+            "Let a session of a rewritten graph run the whole graph, as TensorFlow's "
+            "sessions do. Default: it runs a graph of the ops its runs need, copied in "
+            "before each run (epl/runtime/run_graph.py): TensorFlow copies a session's "
+            "whole graph at each new set of fetches, and a rewritten graph keeps the "
+            "copies the unit functions replaced and the model as built, which no run "
+            "reads (at 24 layers and 16 micro-batches of bench/startup.py's encoder, "
+            "108,530 ops of which a training run needs about 12,000)."),
     KeySpec("debug.trace_dir", "str", "",
             "Directory for Chrome traces (chrome://tracing, Perfetto) of the training "
             "steps in debug.trace_steps ('' = no traces)."),

@@ -220,6 +220,9 @@ class ParallelGraph:
     feeds: dict = dataclasses.field(default_factory=dict)
     # debug.trace_dir: the StepTracer the session asks before each run (None: no traces).
     tracer: object = None
+    # a session runs the run graph, what its runs need (epl/runtime/run_graph.py), unless
+    # debug.whole_graph_sessions asks for the whole graph
+    run_graph: bool = True
     # the replicate pass's record (epl/passes/replication/result.py): every unit's copies
     # and the mirrors; the session feeds every copy of a fed tensor, and answers a fetch
     # of a per-replica tensor with the first unit's copy; the tf.function integration
@@ -396,6 +399,7 @@ def _parallelize(graph: tf.Graph, record: GraphRecord,
         result.gather_ops = dict(zero.gather_ops)
     result.feeds = dict(replication.feeds)
     result.tracer = make_tracer(config, cluster, graph)
+    result.run_graph = not config.get("debug.whole_graph_sessions")
     result.replication = replication
     functions = ctx.find(UnitFunctions)
     if functions is not None:

@@ -39,6 +39,7 @@ from tensorflow.python.client import pywrap_tf_session as tf_session
 
 from epl.ir.graph_view import ancestors
 from epl.parallel import ParallelGraph, clean_construction_context
+from epl.runtime.run_graph import attach_session
 
 
 @dataclasses.dataclass
@@ -139,18 +140,21 @@ def move_session(session, result: ParallelGraph, state: SessionState, callables=
     (see the module docstring). `callables`: the `_Callable`s made on the old one
     (their handles are released; they run through Session.run)."""
     config = result.session_config(session._config)
-    options = tf_session.TF_NewSessionOptions(target=session._target, config=config)
-    try:
-        with session._graph._c_graph.get() as c_graph:
-            new = tf_session.TF_NewSessionRef(c_graph, options)
-    finally:
-        tf_session.TF_DeleteSessionOptions(options)
     old = session._session
     for callable_ in callables:
         if callable_._handle is not None:
             tf_session.TF_SessionReleaseCallable(old, callable_._handle)
             callable_._handle = None
-    session._session, session._config = new, config
+    if result.run_graph:   # a session on what its runs need (epl/runtime/run_graph.py)
+        attach_session(session, config, close_old=False)
+    else:
+        options = tf_session.TF_NewSessionOptions(target=session._target, config=config)
+        try:
+            with session._graph._c_graph.get() as c_graph:
+                session._session = tf_session.TF_NewSessionRef(c_graph, options)
+        finally:
+            tf_session.TF_DeleteSessionOptions(options)
+    session._config = config
     for cache in ("_epl_run_plans", "_epl_step_reader"):
         session.__dict__.pop(cache, None)
     tf_session.TF_CloseSession(old)

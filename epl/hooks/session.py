@@ -2,7 +2,10 @@
 
 - `tf.compat.v1.Session(...)` (and every session built on BaseSession, which
   includes MonitoredTrainingSession's) parallelizes its graph on creation if
-  EPL annotated it, and gets the config that creates the worker's devices.
+  EPL annotated it, and gets the config that creates the worker's devices; it
+  runs the graph's run graph, the ops its runs need (epl.runtime.run_graph), unless
+  `debug.whole_graph_sessions` is set.
+- `Session.partial_run_setup` copies into the run graph what the partial runs need.
 - `Scaffold.finalize` (MonitoredTrainingSession) parallelizes before the graph
   is finalized, so the scaffold's init op and saver see the parallel graph.
 - `Session.make_callable` and the callables tf-keras's backend functions make
@@ -48,6 +51,7 @@ from epl.runtime.guarded_run import guarded_run
 from epl.checkpoint import damage
 from epl.errors import CheckpointError, ParallelizeError
 from epl.runtime import run_errors
+from epl.runtime.run_graph import attach_session
 from epl.runtime.horovod_comm import collective_label
 from epl.runtime.variable_access import READ_ONLY_TYPES, writes_variable  # noqa: F401
 from epl.runtime.worker_status import STATUS
@@ -96,6 +100,18 @@ def _session_init(self, target="", graph=None, config=None):
     _ORIGINAL["init"](self, target, graph, config)
     if not ready or result is None:   # the graph may be rewritten later (legacy_keras)
         _EARLY.setdefault(graph_, weakref.WeakSet()).add(self)
+    elif result.run_graph:   # what its runs need (epl/runtime/run_graph.py)
+        attach_session(self, self._config)
+
+
+def _partial_run_setup(self, fetches, feeds=None):
+    """Session.partial_run_setup: on a run graph (`attach_session`) after copying in
+    what the partial runs' fetches and feeds need (TensorFlow sets them up by name)."""
+    runs = self.__dict__.get("_epl_run_graph")
+    if runs is not None:
+        ops = [_as_op(self.graph, e) for e in _leaves(fetches) + list(feeds or ())]
+        runs.need([op.name for op in ops if op is not None])
+    return _ORIGINAL["partial_run_setup"](self, fetches, feeds)
 
 
 @contextlib.contextmanager
@@ -674,7 +690,8 @@ def _saver_restore(self, sess, save_path):
 
 
 def install() -> None:
-    """Wrap BaseSession.__init__/run/close/make_callable/_make_callable_from_options,
+    """Wrap BaseSession.__init__/run/partial_run_setup/close/make_callable/
+    _make_callable_from_options,
     its callables' __call__, Scaffold.finalize and Saver.restore (idempotent)."""
     if _ORIGINAL:
         return
@@ -684,6 +701,7 @@ def install() -> None:
     _ORIGINAL.update(init=base.__init__, run=base.run, finalize=scaffold.finalize,
                      close=base.close, restore=saver.restore,
                      make_callable=base._make_callable_from_options,
+                     partial_run_setup=base.partial_run_setup,
                      public_make_callable=base.make_callable,
                      callable_call=base._Callable.__call__)
     base._make_callable_from_options = functools.wraps(_ORIGINAL["make_callable"])(
@@ -692,6 +710,8 @@ def install() -> None:
     base.make_callable = functools.wraps(_ORIGINAL["public_make_callable"])(_make_callable)
     base.__init__ = functools.wraps(_ORIGINAL["init"])(_session_init)
     base.run = functools.wraps(_ORIGINAL["run"])(_session_run)
+    base.partial_run_setup = functools.wraps(_ORIGINAL["partial_run_setup"])(
+        _partial_run_setup)
     base.close = functools.wraps(_ORIGINAL["close"])(_session_close)
     scaffold.finalize = functools.wraps(_ORIGINAL["finalize"])(_scaffold_finalize)
     saver.restore = functools.wraps(_ORIGINAL["restore"])(_saver_restore)

@@ -54,6 +54,7 @@ EXPECTED_DEFAULTS = {
     "debug.disabled_passes": [],
     "debug.log_level": "",
     "debug.log_all_ranks": False,
+    "debug.whole_graph_sessions": False,
     "debug.trace_dir": "",
     "debug.trace_steps": [2],
 }
