@@ -169,10 +169,18 @@ class RunGraph:
     def _import(self, graph: tf.Graph, nodes: list) -> None:
         """Import `nodes` into the run graph, their inputs from earlier imports mapped
         to the run graph's ops of those names."""
+        names = {node.name for node in nodes}
+        for node in nodes:   # colocated with an op an earlier import gave another name
+            if _COLOCATION in node.attr:
+                locations = node.attr[_COLOCATION].list.s
+                for i, location in enumerate(locations):
+                    target = location[len(_LOCATION_PREFIX):].decode()
+                    if target not in names and target in self._ops:
+                        locations[i] = _LOCATION_PREFIX + c_api.TF_OperationName(
+                            self._ops[target]).encode()
         graph_def = graph_pb2.GraphDef()
         graph_def.versions.CopyFrom(graph.graph_def_versions)
         graph_def.node.extend(nodes)
-        names = {node.name for node in nodes}
         scoped = c_api_util.ScopedTFImportGraphDefOptions()
         options = scoped.options
         c_api.TF_ImportGraphDefOptionsSetPrefix(options, "")

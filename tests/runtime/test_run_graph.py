@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.client import pywrap_tf_session as c_api
 
 import epl
 from epl.hooks.session import parallel_graph
@@ -89,6 +90,8 @@ def test_an_op_named_like_a_scope_of_one_the_run_graph_holds_runs_by_its_name():
         outer = tf.add(x, 1.0, name="a")
         inner = tf.raw_ops.Mul(x=x, y=tf.constant(3.0), name="a/inner")
         assert inner.op.name == "a/inner"
+        with tf.compat.v1.colocate_with(outer.op):
+            beside = tf.negative(x, name="beside")   # colocated with "a"
         with tf.compat.v1.Session() as sess:
             attach_session(sess, sess._config)
             runs = sess.__dict__["_epl_run_graph"]
@@ -101,3 +104,9 @@ def test_an_op_named_like_a_scope_of_one_the_run_graph_holds_runs_by_its_name():
                                           [[1.0, 2.0], [0.0, 3.0]])
             names = {n.name for n in runs.graph.as_graph_def().node}
             assert "a/inner" in names and "a" not in names and len(names) == len(runs)
+            # an op colocated with it, copied in by a later run, is colocated with it there
+            np.testing.assert_array_equal(sess.run(beside, {x: [1.0, 2.0]}), [-1.0, -2.0])
+            node = next(n for n in runs.graph.as_graph_def().node if n.name == "beside")
+            renamed = c_api.TF_OperationName(runs._ops["a"])
+            assert renamed != "a" and list(node.attr["_class"].list.s) == [
+                b"loc:@" + renamed.encode()]
