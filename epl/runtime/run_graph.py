@@ -5,8 +5,8 @@ leaves the copies it replaced by calls in the graph, unread (TensorFlow's graph 
 removes no op), and the model as the user built it stays as the template, never
 run. A TensorFlow session copies and converts its whole graph at every new set of
 fetches (`GraphExecutionState::MakeForPrunedGraph`, even with `place_pruned_graph`):
-at 24 layers and 16 micro-batches (bench/startup.py's encoder) 108,530 nodes, of
-which a run needs at most 26,594.
+at 24 layers and 16 micro-batches (bench/startup.py's encoder) 108,530 nodes; the
+run graph after the initializer's run and two sets of training fetches holds 8,976.
 
 So a session of a parallelized graph runs a graph of its own, the run graph: a
 TensorFlow graph that holds the ops its runs have needed so far, each with the
